@@ -1,0 +1,139 @@
+"""The ``harness`` command line: validate, sweep, results."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from harness.spec import SpecError, load_spec
+from harness.units import format_bytes
+
+FORMATS = ("table", "csv", "parquet", "json")
+SUMMARY_COLUMNS = ("model_size", "batch_size", "dtype", "strategy")
+
+
+class SpecAwareGroup(click.Group):
+    """Turns a bad spec into one line per problem and exit code 2, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except SpecError as error:
+            click.echo(str(error), err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=SpecAwareGroup)
+@click.version_option(package_name="harness")
+def main() -> None:
+    """Measure the memory / speed / accuracy trade-offs of training PyTorch models."""
+
+
+@main.command()
+@click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+def validate(specs: tuple[Path, ...]) -> None:
+    """Check SPEC files without running anything; print the number of trials each plans."""
+    for path in specs:
+        spec = load_spec(path)
+        click.echo(f"{path}: ok ({len(spec.points())} trials, experiment {spec.experiment!r})")
+
+
+@main.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--fresh", is_flag=True, help="Start a new sweep even if this spec already ran (earlier runs stay in MLflow).")
+@click.option("--dry-run", is_flag=True, help="List the planned trials and exit.")
+def sweep(spec_path: Path, fresh: bool, dry_run: bool) -> None:
+    """Run every trial of SPEC (each in its own process) and record them in MLflow.
+
+    Running the same SPEC again resumes: recorded trials are kept and not re-run.
+    """
+    spec = load_spec(spec_path)
+    console = Console()
+    if dry_run:
+        for index, point in enumerate(spec.points(), start=1):
+            config = spec.trial_config(point)
+            console.print(f"{index:>4}  {config.trial_key}  {point}")
+        return
+    from harness.sweep import run_sweep
+
+    try:
+        outcome = run_sweep(spec, console, fresh=fresh)
+    except KeyboardInterrupt:
+        console.print("\nInterrupted. Finished trials are recorded; run the same command to resume.")
+        sys.exit(130)
+    print_summary(console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id)
+
+
+def print_summary(console: Console, experiment: str, tracking_uri: str, parent_run_id: str) -> None:
+    from harness.results import load
+
+    frame = load(experiment, tracking_uri, sweep=parent_run_id)
+    counts = frame["status"].value_counts().to_dict()
+    console.print(
+        f"\n[bold]{len(frame)} trials[/]: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    )
+    ok = frame[frame["status"] == "ok"]
+    if not ok.empty:
+        table = Table(title="Best configurations (ok trials)")
+        for column in ("best for", "size", "batch", "dtype", "strategy", "peak alloc", "samples/s", "acc"):
+            table.add_column(column, no_wrap=True)
+        picks = [
+            ("lowest memory", ok.nsmallest(2, "peak_allocated_bytes")),
+            ("highest throughput", ok.nlargest(2, "throughput")),
+            ("highest accuracy", ok.nlargest(2, "accuracy")),
+        ]
+        for label, rows in picks:
+            for _, row in rows.iterrows():
+                table.add_row(
+                    label,
+                    *(str(row[c]) for c in SUMMARY_COLUMNS),
+                    format_bytes(row["peak_allocated_bytes"]),
+                    f"{row['throughput']:,.0f}",
+                    f"{row['accuracy']:.3f}",
+                )
+                label = ""
+        console.print(table)
+    console.print(
+        "Next: [bold]make ui[/] (MLflow UI on http://127.0.0.1:5000), "
+        f"[bold]harness results --experiment {experiment}[/] (the table), "
+        "or harness.results.load() in Python.",
+        soft_wrap=True,
+    )
+
+
+@main.command()
+@click.option("--experiment", "-e", default=None, help="Experiment (spec name); default: the one run last.")
+@click.option("--sweep", "sweep_id", default="latest", show_default=True, help="'latest', 'all', or a sweep's parent run id.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write to this file instead of stdout (required for parquet).")
+@click.option("--tracking-uri", default="sqlite:///results/mlflow.db", show_default=True)
+def results(experiment: str | None, sweep_id: str, fmt: str, out: Path | None, tracking_uri: str) -> None:
+    """One row per trial: configuration, status and every metric, as a table or a file."""
+    from harness.results import ResultsError, load
+
+    try:
+        frame = load(experiment, tracking_uri, sweep=sweep_id)
+    except ResultsError as error:
+        raise click.ClickException(str(error)) from None
+    if fmt == "parquet":
+        if out is None:
+            raise click.UsageError("--format parquet writes a binary file: give --out FILE.parquet")
+        frame.to_parquet(out, index=False)
+    elif fmt == "csv":
+        text = frame.to_csv(index=False)
+    elif fmt == "json":
+        text = frame.to_json(orient="records", indent=1, date_format="iso")
+    else:
+        shown = frame[[c for c in frame.columns if frame[c].notna().any()]]
+        text = shown.drop(columns=["run_id", "sweep_run_id", "start_time"], errors="ignore").to_string(index=False)
+    if fmt != "parquet":
+        if out is None:
+            click.echo(text)
+        else:
+            out.write_text(text)
+    if out is not None:
+        click.echo(f"wrote {len(frame)} trials to {out}", err=True)

@@ -1,0 +1,1 @@
+"""Meters: memory (peak + breakdown), step timing, and host RSS. Trial layer: torch + stdlib only."""

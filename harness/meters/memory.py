@@ -1,0 +1,122 @@
+"""Peak memory over a window of training steps, with a breakdown by what holds it.
+
+CUDA: the allocator's own counters (``max_memory_allocated`` / ``max_memory_reserved``) give the
+peak. CPU has no such counters, so the peak comes from tensor accounting: PyTorch's
+``MemTracker`` sees every storage created in the window, plus the model, optimizer and staged
+batches registered up front. Both devices use ``MemTracker``'s snapshot at the peak for the
+breakdown. The tracker slows steps several times, which is why timing runs in its own window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    peak_allocated_bytes: int
+    mem_param_bytes: int
+    mem_grad_bytes: int
+    mem_optim_bytes: int
+    mem_activation_bytes: int
+    mem_other_bytes: int
+    peak_reserved_bytes: int | None = None
+
+    def metrics(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items() if v is not None}
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    size = tensor.untyped_storage().nbytes()
+    if tensor.device.type == "cuda":
+        return -(-size // CUDA_BLOCK) * CUDA_BLOCK
+    return size
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's persistent state (moments, step counters), each storage once."""
+    seen: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                seen[storage.data_ptr() or id(storage)] = storage_bytes(value)
+    return sum(seen.values())
+
+
+class MemoryWindow:
+    """Context manager around the memory-measurement steps; call ``step_done()`` after each.
+
+    Must start after at least one optimizer step, so the optimizer's state already exists and
+    its persistent bytes can be told apart from the step's temporaries (which ``MemTracker`` also
+    files under optimizer state while ``step()`` runs).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        staged: list[torch.Tensor],
+    ) -> None:
+        self.device = device
+        self.optimizer = optimizer
+        self.tracker = MemTracker()
+        self.tracker.track_external(model, optimizer, *staged)
+        self.reading: MemoryReading | None = None
+
+    def __enter__(self) -> MemoryWindow:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.tracker.__enter__()
+        return self
+
+    def step_done(self) -> None:
+        self.tracker.reset_mod_stats()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
+        if exc[0] is None:
+            self.reading = self._read()
+
+    def _read(self) -> MemoryReading:
+        snapshot = self.tracker.get_tracker_snapshot("peak")
+        by_type = next(
+            (snap for dev, snap in snapshot.items() if torch.device(dev).type == self.device.type),
+            {},
+        )
+        optim_total = by_type.get(_MemRefType.OPT, 0)
+        persistent_optim = min(optimizer_state_bytes(self.optimizer), optim_total)
+        step_temporaries = optim_total - persistent_optim
+        other = (
+            by_type.get(_MemRefType.BUFFER, 0)
+            + by_type.get(_MemRefType.TEMP, 0)
+            + by_type.get(_MemRefType.OTH, 0)
+            + step_temporaries
+        )
+        tracked_peak = by_type.get("Total", 0)
+        reserved = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            # Allocations the tracker cannot see (library workspaces, caches) count as "other".
+            other += max(0, peak - tracked_peak)
+        else:
+            peak = tracked_peak
+        return MemoryReading(
+            peak_allocated_bytes=int(peak),
+            mem_param_bytes=int(by_type.get(_MemRefType.PARAM, 0)),
+            mem_grad_bytes=int(by_type.get(_MemRefType.GRAD, 0)),
+            mem_optim_bytes=int(persistent_optim),
+            mem_activation_bytes=int(by_type.get(_MemRefType.ACT, 0)),
+            mem_other_bytes=int(other),
+            peak_reserved_bytes=None if reserved is None else int(reserved),
+        )

@@ -1,0 +1,33 @@
+"""The canonical metric names (design notes §3): one list that the trial, MLflow, the results
+table, objective validation and the README all agree on. Standard library only."""
+
+from __future__ import annotations
+
+METRICS: dict[str, str] = {
+    "peak_allocated_bytes": "bytes held by tensors at the worst moment of the memory window "
+    "(CUDA: max_memory_allocated; CPU: tensor accounting)",
+    "peak_reserved_bytes": "CUDA only: the caching allocator's peak reservation "
+    "(reserved - allocated = caching/fragmentation overhead)",
+    "peak_rss_bytes": "the trial process's resident-set high-water mark over its whole life",
+    "mem_param_bytes": "breakdown at the peak: parameters",
+    "mem_grad_bytes": "breakdown at the peak: gradients",
+    "mem_optim_bytes": "breakdown at the peak: the optimizer's persistent state",
+    "mem_activation_bytes": "breakdown at the peak: tensors made in the forward pass",
+    "mem_other_bytes": "breakdown at the peak: the rest (inputs, backward and optimizer-step "
+    "temporaries, buffers, untracked allocations)",
+    "num_params": "trainable parameters of the model as built for the trial",
+    "throughput": "samples/s, median over the timed steps, device synchronised",
+    "step_time_ms_p50": "median timed-step latency in milliseconds",
+    "step_time_ms_p90": "90th-percentile timed-step latency in milliseconds",
+    "accuracy": "held-out accuracy after the training budget",
+    "eval_loss": "held-out cross-entropy after the training budget",
+    "train_loss": "mean training loss over the last epoch's worth of steps "
+    "(per-step history logged as the train_loss metric history)",
+    "train_steps": "optimizer steps taken (the budget, or the measured steps if more)",
+    "epochs": "epochs trained (train_steps / steps per epoch)",
+    "epoch_time_s": "wall time of one epoch including moving batches to the device, "
+    "from the untimed training steps",
+}
+
+# Which way is better, for summaries and objectives that do not say.
+HIGHER_IS_BETTER = {"throughput", "accuracy"}

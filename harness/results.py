@@ -1,0 +1,139 @@
+"""MLflow -> one tidy pandas row per trial, with clean column names and proper dtypes.
+
+``harness.results.load()`` is the notebook API; ``harness results`` prints or exports the same
+table. MLflow stays the source of truth: nothing here caches or copies results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from harness.metrics import METRICS
+from harness.tracking import PARENT_TAG, ROLE_TAG, SWEEP_ROLE, TRIAL_ROLE, quiet_mlflow
+
+DEFAULT_TRACKING_URI = "sqlite:///results/mlflow.db"
+
+# The fixed leading columns (design notes §7), then every metric of §3.
+ID_COLUMNS = [
+    "trial_key",
+    "status",
+    "failure_reason",
+    "model",
+    "model_size",
+    "batch_size",
+    "dtype",
+    "strategy",
+    "optimizer",
+    "dataset",
+    "device",
+    "world_size",
+    "seed",
+]
+INT_PARAMS = {"batch_size", "world_size", "seed", "warmup_steps", "memory_steps", "timed_steps"}
+FLOAT_PARAMS = {"lr", "device_memory_bytes"}
+TAG_COLUMNS = ("trial_key", "status", "failure_reason", "device_name", "torch_version", "throughput_unit", "git_commit")
+
+
+class ResultsError(Exception):
+    """Nothing to load (no store, no experiment, no sweep); the message says what to do."""
+
+
+def _client(tracking_uri: str) -> Any:
+    quiet_mlflow()
+    from mlflow.tracking import MlflowClient
+
+    if tracking_uri.startswith("sqlite:///"):
+        from pathlib import Path
+
+        path = Path(tracking_uri.removeprefix("sqlite:///"))
+        if not path.exists():
+            raise ResultsError(f"no MLflow store at {path}; run a sweep first (make sweep)")
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _all_runs(client: Any, experiment_ids: list[str], filter_string: str, order_by: list[str] | None = None) -> list[Any]:
+    runs, token = [], None
+    while True:
+        page = client.search_runs(
+            experiment_ids, filter_string=filter_string, max_results=1000, order_by=order_by, page_token=token
+        )
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def find_sweep(client: Any, experiment: str | None) -> tuple[str, Any]:
+    """The experiment id and the latest sweep (parent run) in it, or in any experiment."""
+    if experiment is not None:
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            names = sorted(e.name for e in client.search_experiments() if e.name != "Default")
+            raise ResultsError(
+                f"no experiment named {experiment!r} (recorded: {', '.join(names) or 'none'})"
+            )
+        experiment_ids = [found.experiment_id]
+    else:
+        experiment_ids = [e.experiment_id for e in client.search_experiments()]
+    sweeps = client.search_runs(
+        experiment_ids,
+        filter_string=f"tags.{ROLE_TAG} = '{SWEEP_ROLE}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not sweeps:
+        where = f"experiment {experiment!r}" if experiment else "this store"
+        raise ResultsError(f"no sweep recorded in {where}; run one first (make sweep)")
+    return sweeps[0].info.experiment_id, sweeps[0]
+
+
+def load(
+    experiment: str | None = None,
+    tracking_uri: str = DEFAULT_TRACKING_URI,
+    sweep: str = "latest",
+) -> pd.DataFrame:
+    """One row per trial.
+
+    ``experiment``: an MLflow experiment (the spec's ``name``); default: the one that ran last.
+    ``sweep``: ``"latest"`` (the trials of the experiment's most recent sweep), ``"all"`` (every
+    sweep of the experiment) or a sweep's parent run id.
+    """
+    client = _client(tracking_uri)
+    experiment_id, latest = find_sweep(client, experiment)
+    role = f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'"
+    if sweep == "all":
+        filter_string = role
+    else:
+        parent = latest.info.run_id if sweep == "latest" else sweep
+        filter_string = f"{role} and tags.`{PARENT_TAG}` = '{parent}'"
+    runs = _all_runs(client, [experiment_id], filter_string, ["attributes.start_time ASC"])
+    return to_frame(runs)
+
+
+def to_frame(runs: list[Any]) -> pd.DataFrame:
+    rows = []
+    for run in runs:
+        row: dict[str, Any] = dict(run.data.params)
+        row.update({key: run.data.tags.get(key) for key in TAG_COLUMNS})
+        row.update(run.data.metrics)
+        row["run_id"] = run.info.run_id
+        row["sweep_run_id"] = run.data.tags.get(PARENT_TAG)
+        row["start_time"] = pd.to_datetime(run.info.start_time, unit="ms", utc=True)
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    for column in ID_COLUMNS + list(METRICS):
+        if column not in frame:
+            frame[column] = pd.NA
+    for column in frame.columns:
+        if column in INT_PARAMS or column.startswith("knob_"):
+            numeric = pd.to_numeric(frame[column], errors="coerce")
+            if column.startswith("knob_") and numeric.isna().any():
+                continue  # a user model's non-numeric knob stays text
+            frame[column] = numeric.astype("Int64")
+        elif column in FLOAT_PARAMS or column in METRICS or column == "trial_wall_time_s":
+            frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
+    frame["failure_reason"] = frame["failure_reason"].fillna("")
+    rest = sorted(c for c in frame.columns if c not in ID_COLUMNS and c not in METRICS)
+    return frame[ID_COLUMNS + list(METRICS) + rest].reset_index(drop=True)

@@ -1,0 +1,196 @@
+"""MLflow recording: one parent run per sweep, one child run per trial (design notes §5).
+
+Runs are written with ``MlflowClient`` and explicit run ids (never the fluent "active run"), so
+nothing depends on global state. A child run is created only once its trial has finished, in one
+batch, so a killed sweep never leaves half-recorded trials behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from harness.trial.config import TrialConfig
+
+ROLE_TAG = "harness_role"
+SWEEP_ROLE, TRIAL_ROLE = "sweep", "trial"
+PARENT_TAG = "mlflow.parentRunId"
+BATCH = 1000  # MLflow's log_batch limit on metrics per call
+ENDED_RUN_STATUS = {"ok": "FINISHED", "oom": "FINISHED", "infeasible": "FINISHED", "diverged": "FINISHED"}
+
+
+def quiet_mlflow() -> None:
+    """MLflow logs schema migrations and store creation at INFO; users need none of it."""
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def prepare_store(uri: str) -> None:
+    """Create the folder a ``sqlite:///relative/path.db`` store lives in."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "sqlite":
+        path = uri.removeprefix("sqlite:///")
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def trial_params(config: TrialConfig, result: dict[str, Any]) -> dict[str, str]:
+    """The trial's configuration as MLflow params (strings; the results layer casts them back)."""
+    params: dict[str, Any] = {
+        "model": config.model_family,
+        "model_size": config.model_size,
+        "batch_size": config.batch_size,
+        "dtype": config.dtype,
+        "strategy": config.strategy_text,
+        "optimizer": config.optimizer["name"],
+        "lr": config.optimizer["lr"],
+        "dataset": config.dataset,
+        "device": result.get("info", {}).get("device", config.device),
+        "world_size": 1,
+        "seed": config.seed,
+        "budget": ",".join(f"{k}={v}" for k, v in config.budget.items()),
+        "warmup_steps": config.warmup_steps,
+        "memory_steps": config.memory_steps,
+        "timed_steps": config.timed_steps,
+        "device_memory_bytes": config.device_memory_bytes or "",
+    }
+    params.update({f"knob_{name}": value for name, value in config.model_knobs.items()})
+    return {key: str(value) for key, value in params.items()}
+
+
+def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class Tracker:
+    def __init__(self, uri: str, experiment: str, artifact_root: Path) -> None:
+        quiet_mlflow()
+        prepare_store(uri)
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        self.uri = uri
+        self.commit = git_commit()
+        found = self.client.get_experiment_by_name(experiment)
+        if found is None:
+            artifact_root.mkdir(parents=True, exist_ok=True)
+            self.experiment_id = self.client.create_experiment(
+                experiment, artifact_location=artifact_root.resolve().as_uri()
+            )
+        else:
+            if found.lifecycle_stage == "deleted":
+                self.client.restore_experiment(found.experiment_id)
+            self.experiment_id = found.experiment_id
+
+    # ---- the sweep's parent run ---------------------------------------------------------------
+
+    def open_sweep(self, run_id: str | None, name: str, tags: dict[str, str], params: dict[str, str]) -> str:
+        """Resume the sweep's parent run if it still exists, else start a new one."""
+        if run_id:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                run = self.client.get_run(run_id)
+            except MlflowException:
+                run = None
+            if run is not None and run.info.lifecycle_stage == "active":
+                self.client.update_run(run_id, status="RUNNING")
+                return run_id
+        run = self.client.create_run(
+            self.experiment_id, run_name=name, tags={ROLE_TAG: SWEEP_ROLE, **tags}
+        )
+        self._log(run.info.run_id, params=params)
+        return run.info.run_id
+
+    def close_sweep(self, run_id: str, metrics: dict[str, float], status: str = "FINISHED") -> None:
+        self._log(run_id, metrics=metrics)
+        self.client.set_terminated(run_id, status=status)
+
+    def recorded_trial_keys(self, parent_run_id: str) -> set[str]:
+        """Trial keys already recorded under this sweep (they are never run again)."""
+        runs = self.search(
+            f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}'"
+        )
+        return {run.data.tags.get("trial_key", "") for run in runs}
+
+    def search(self, filter_string: str) -> Iterable[Any]:
+        token = None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id], filter_string=filter_string, max_results=1000, page_token=token
+            )
+            yield from page
+            token = page.token
+            if not token:
+                return
+
+    # ---- one trial ----------------------------------------------------------------------------
+
+    def log_trial(
+        self,
+        parent_run_id: str,
+        config: TrialConfig,
+        result: dict[str, Any],
+        workdir: Path,
+        started_ms: int,
+        run_name: str,
+    ) -> str:
+        info = result.get("info", {})
+        tags = {
+            ROLE_TAG: TRIAL_ROLE,
+            PARENT_TAG: parent_run_id,
+            "trial_key": config.trial_key,
+            "status": result["status"],
+            "failure_reason": result.get("failure_reason", ""),
+            "torch_version": info.get("torch_version", ""),
+            "device_name": info.get("device_name", ""),
+            "throughput_unit": info.get("throughput_unit", "samples/s"),
+        }
+        if self.commit:
+            tags["git_commit"] = self.commit
+        run = self.client.create_run(
+            self.experiment_id, run_name=run_name, start_time=started_ms, tags=tags
+        )
+        run_id = run.info.run_id
+        metrics = dict(result.get("metrics", {}))
+        if "wall_time_s" in result:
+            metrics["trial_wall_time_s"] = result["wall_time_s"]
+        history = [("train_loss_step", value, step) for step, value in enumerate(result.get("loss_history", []))]
+        self._log(run_id, metrics=metrics, params=trial_params(config, result), history=history)
+        self.client.log_artifacts(run_id, str(workdir), artifact_path="trial")
+        self.client.set_terminated(run_id, status=ENDED_RUN_STATUS.get(result["status"], "FAILED"))
+        return run_id
+
+    def _log(
+        self,
+        run_id: str,
+        metrics: dict[str, float] | None = None,
+        params: dict[str, str] | None = None,
+        history: list[tuple[str, float, int]] | None = None,
+    ) -> None:
+        from mlflow.entities import Metric, Param
+
+        now = int(time.time() * 1000)
+        entries = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()]
+        entries += [Metric(k, float(v), now, step) for k, v, step in history or []]
+        for chunk in _chunks(entries, BATCH):
+            self.client.log_batch(run_id, metrics=chunk)
+        param_list = [Param(k, v) for k, v in (params or {}).items()]
+        for chunk in _chunks(param_list, 100):
+            self.client.log_batch(run_id, params=chunk)

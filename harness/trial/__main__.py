@@ -1,0 +1,54 @@
+"""Trial worker: ``python -m harness.trial CONFIG.json RESULT.json``.
+
+Runs one trial in this process and writes its result JSON. An exception becomes a ``crash``
+result (the traceback goes to stderr, which the launcher keeps as the trial's log); a process
+killed by a signal writes nothing, and the launcher records that as ``crash`` too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from harness.trial.config import TrialConfig
+from harness.trial.outcome import Status
+
+
+def write_result(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)  # atomic: the launcher never reads half a file
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m harness.trial CONFIG.json RESULT.json", file=sys.stderr)
+        return 2
+    config_path, result_path = Path(argv[0]), Path(argv[1])
+    config = TrialConfig.from_json(config_path.read_text())
+    try:
+        from harness.trial.loop import run_trial
+
+        result = run_trial(config)
+    except Exception as error:  # any bug or bad user code: recorded, never fatal to the sweep
+        traceback.print_exc()
+        reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+        result = {
+            "trial_key": config.trial_key,
+            "status": Status.CRASH.value,
+            "failure_reason": reason,
+            "metrics": {},
+            "loss_history": [],
+            "info": {},
+        }
+        write_result(result_path, result)
+        return 1
+    write_result(result_path, result)
+    print(f"trial {config.trial_key}: {result['status']} {result['failure_reason']}".rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,63 @@
+"""The plain, JSON-serialisable description of one trial: what the sweep hands the trial worker."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """Everything that determines one trial's result (and so its ``trial_key``).
+
+    ``strategy`` is the canonical list of strategy terms, e.g. ``["checkpoint", "accumulate:4"]``.
+    ``budget`` holds exactly one of ``epochs`` or ``steps``.
+    """
+
+    experiment: str
+    model_family: str
+    model_size: str
+    model_knobs: dict[str, Any]
+    dataset: str
+    data_options: dict[str, Any]
+    batch_size: int
+    dtype: str
+    strategy: list[str]
+    optimizer: dict[str, Any]
+    budget: dict[str, int]
+    seed: int = 0
+    warmup_steps: int = 2
+    memory_steps: int = 2
+    timed_steps: int = 10
+    device: str = "auto"
+    device_memory_bytes: int | None = None
+    # Where user model code (``module:attr`` families) is importable from; not part of the key.
+    python_path: list[str] = field(default_factory=list)
+
+    @property
+    def strategy_text(self) -> str:
+        """Canonical one-string form, e.g. ``checkpoint+accumulate:4`` (the results-table value)."""
+        return "+".join(self.strategy)
+
+    @property
+    def trial_key(self) -> str:
+        """A stable hash of everything that defines the trial (not where it runs from)."""
+        defining = {k: v for k, v in self.to_dict().items() if k not in ("python_path",)}
+        blob = json.dumps(defining, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialConfig:
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrialConfig:
+        return cls.from_dict(json.loads(text))

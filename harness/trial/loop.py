@@ -1,0 +1,233 @@
+"""One trial, top to bottom: build, warm up, measure memory, time steps, train to budget, evaluate.
+
+The phases are separate on purpose (design notes §4): the optimizer state exists only after the
+first step, so memory is measured after warm-up; tensor accounting slows steps, so timing runs
+in a window of its own. Every measured step is also a real training step and counts toward the
+budget.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from harness.meters.host import peak_rss_bytes
+from harness.meters.memory import MemoryWindow
+from harness.meters.timing import StepTimer, synchronize
+from harness.strategies import build_strategies
+from harness.trial.config import TrialConfig
+from harness.trial.optim import build_optimizer
+from harness.trial.outcome import Status, TrialFailure
+from harness.trial.precision import Precision
+from harness.units import format_bytes
+from harness.workloads import build_model, load_dataset
+from harness.workloads.tensors import SplitData, batches, steps_per_epoch
+
+EVAL_BATCH = 512
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrialFailure(Status.CRASH, f"device {name!r} was asked for but CUDA is not available")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def emulate_card(device: torch.device, budget: int | None) -> None:
+    """Cap this process at the planned card's size, so a too-big trial really OOMs (CUDA only)."""
+    if device.type != "cuda" or budget is None:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget < total:
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+
+
+class Trial:
+    """Runs one ``TrialConfig`` and collects what it measured, even when it ends early."""
+
+    def __init__(self, config: TrialConfig) -> None:
+        self.config = config
+        self.metrics: dict[str, float] = {}
+        self.loss_history: list[float] = []
+        self.info: dict[str, Any] = {"torch_version": torch.__version__}
+        self.steps_done = 0
+
+    # ---- the phases -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        cfg = self.config
+        self.device = device = resolve_device(cfg.device)
+        self.info.update(device=str(device), device_name=device_name(device))
+        emulate_card(device, cfg.device_memory_bytes)
+        seed_everything(cfg.seed)
+
+        data = load_dataset(cfg.dataset, cfg.data_options, cfg.seed)
+        model = build_model(cfg.model_family, cfg.model_knobs, data.info, cfg.python_path)
+        strategies = build_strategies(cfg.strategy)
+        for strategy in strategies:
+            model = strategy.prepare_model(model)
+        self.model = model.to(device)
+        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        self.precision = Precision(cfg.dtype, device)
+        self.micro_batches = math.prod(s.micro_batches() for s in strategies)
+        self.metrics["num_params"] = float(
+            sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        )
+        self.info["throughput_unit"] = "samples/s"
+
+        per_epoch = steps_per_epoch(len(data.train_x), cfg.batch_size)
+        budget_steps = cfg.budget.get("steps") or cfg.budget.get("epochs", 1) * per_epoch
+        measured = cfg.warmup_steps + cfg.memory_steps + cfg.timed_steps
+        total_steps = max(budget_steps, measured)
+        stream = batches(data.train_x, data.train_y, cfg.batch_size, cfg.seed)
+
+        self.warm_up(stream, cfg.warmup_steps)
+        self.measure_memory(stream, cfg.memory_steps)
+        self.measure_speed(stream, cfg.timed_steps)
+        self.train_rest(stream, total_steps - measured, per_epoch)
+        self.evaluate(data)
+        window = self.loss_history[-per_epoch:]
+        self.metrics["train_loss"] = sum(window) / len(window)
+        self.metrics["train_steps"] = float(self.steps_done)
+        self.metrics["epochs"] = self.steps_done / per_epoch
+
+    def warm_up(self, stream: Iterator[Any], steps: int) -> None:
+        for _ in range(steps):
+            self.record_loss(self.train_step(*self.to_device(next(stream))))
+
+    def measure_memory(self, stream: Iterator[Any], steps: int) -> None:
+        staged = [self.to_device(next(stream)) for _ in range(steps)]
+        window = MemoryWindow(self.device, self.model, self.optimizer, [t for b in staged for t in b])
+        with window:
+            for batch in staged:
+                loss = self.train_step(*batch)
+                window.step_done()
+                self.record_loss(loss)
+        del staged
+        assert window.reading is not None
+        self.metrics.update(window.reading.metrics())
+        peak, budget = window.reading.peak_allocated_bytes, self.config.device_memory_bytes
+        if budget is not None and peak > budget:
+            raise TrialFailure(
+                Status.OOM,
+                f"peak allocated {format_bytes(peak)} exceeds device_memory {format_bytes(budget)}",
+            )
+
+    def measure_speed(self, stream: Iterator[Any], steps: int) -> None:
+        staged = [self.to_device(next(stream)) for _ in range(steps)]
+        timer = StepTimer(self.device)
+        for x, y in staged:
+            loss = timer.time(lambda x=x, y=y: self.train_step(x, y))
+            self.record_loss(loss)
+        self.metrics.update(timer.metrics(self.config.batch_size))
+
+    def train_rest(self, stream: Iterator[Any], steps: int, per_epoch: int) -> None:
+        if steps <= 0:
+            return
+        synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.record_loss(self.train_step(*self.to_device(next(stream))))
+        synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.metrics["epoch_time_s"] = elapsed / steps * per_epoch
+
+    @torch.no_grad()
+    def evaluate(self, data: SplitData) -> None:
+        self.model.eval()
+        correct, loss_sum = 0, 0.0
+        for start in range(0, len(data.test_x), EVAL_BATCH):
+            x, y = self.to_device((data.test_x[start : start + EVAL_BATCH], data.test_y[start : start + EVAL_BATCH]))
+            with self.precision.autocast():
+                logits = self.model(x)
+            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
+            correct += (logits.argmax(dim=1) == y).sum().item()
+        self.model.train()
+        self.metrics["accuracy"] = correct / len(data.test_x)
+        self.metrics["eval_loss"] = loss_sum / len(data.test_x)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for x_part, y_part in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True):
+            with self.precision.autocast():
+                loss = F.cross_entropy(self.model(x_part), y_part) / self.micro_batches
+            self.precision.backward(loss)
+            total += loss.detach()
+        self.precision.step(self.optimizer)
+        return total
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        value = loss.item()
+        self.steps_done += 1
+        self.loss_history.append(value)
+        if not math.isfinite(value):
+            raise TrialFailure(Status.DIVERGED, f"training loss became {value} at step {self.steps_done}")
+
+    # ---- the result ---------------------------------------------------------------------------
+
+    def result(self, status: Status, reason: str = "") -> dict[str, Any]:
+        self.metrics["peak_rss_bytes"] = float(peak_rss_bytes())
+        return {
+            "trial_key": self.config.trial_key,
+            "status": status.value,
+            "failure_reason": reason,
+            "metrics": {k: v for k, v in self.metrics.items() if math.isfinite(v)},
+            "loss_history": self.loss_history,
+            "info": self.info,
+        }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def run_trial(config: TrialConfig) -> dict[str, Any]:
+    """Run one trial in this process and return its plain-JSON result.
+
+    Ends with ``ok``, or ``oom``/``diverged`` (measurements so far kept). Any other exception
+    propagates: the worker entry point records it as ``crash``.
+    """
+    trial = Trial(config)
+    try:
+        trial.run()
+    except TrialFailure as failure:
+        return trial.result(failure.status, failure.reason)
+    except torch.OutOfMemoryError as error:
+        trial.__dict__.pop("model", None)
+        trial.__dict__.pop("optimizer", None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        return trial.result(Status.OOM, first_line)
+    return trial.result(Status.OK)

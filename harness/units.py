@@ -1,0 +1,69 @@
+"""Human-friendly byte sizes and durations, shared by both layers (standard library only)."""
+
+from __future__ import annotations
+
+import re
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+BYTE_SIZE_HELP = "a size such as 512MiB, 16GiB, 80GB or a plain number of bytes"
+DURATION_HELP = "a duration such as 90s, 10m, 1h or a plain number of seconds"
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse ``16GiB`` / ``80GB`` / ``1024`` into bytes; raise ``ValueError`` naming what is allowed."""
+    if isinstance(text, bool):
+        raise ValueError(f"expected {BYTE_SIZE_HELP}")
+    if isinstance(text, int | float):
+        if text <= 0:
+            raise ValueError(f"must be positive; expected {BYTE_SIZE_HELP}")
+        return int(text)
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _BYTE_UNITS:
+        raise ValueError(f"expected {BYTE_SIZE_HELP}")
+    value = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"must be positive; expected {BYTE_SIZE_HELP}")
+    return value
+
+
+def parse_seconds(text: str | int | float) -> float:
+    """Parse ``90s`` / ``10m`` / ``1h`` / ``600`` into seconds."""
+    if isinstance(text, bool):
+        raise ValueError(f"expected {DURATION_HELP}")
+    if isinstance(text, int | float):
+        seconds = float(text)
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _DURATION_UNITS:
+            raise ValueError(f"expected {DURATION_HELP}")
+        seconds = float(match.group(1)) * _DURATION_UNITS[unit]
+    if seconds <= 0:
+        raise ValueError(f"must be positive; expected {DURATION_HELP}")
+    return seconds
+
+
+def format_bytes(num: float | None) -> str:
+    """Render bytes with a binary unit, e.g. ``1.5 MiB``; ``-`` when unknown."""
+    if num is None or num != num:  # None or NaN
+        return "-"
+    value = float(num)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
