@@ -44,7 +44,11 @@ def validate(specs: tuple[Path, ...]) -> None:
 
 @main.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--fresh", is_flag=True, help="Start a new sweep even if this spec already ran (earlier runs stay in MLflow).")
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Start a new sweep even if this spec already ran (earlier runs stay in MLflow).",
+)
 @click.option("--dry-run", is_flag=True, help="List the planned trials and exit.")
 def sweep(spec_path: Path, fresh: bool, dry_run: bool) -> None:
     """Run every trial of SPEC (each in its own process) and record them in MLflow.
@@ -63,7 +67,9 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool) -> None:
     try:
         outcome = run_sweep(spec, console, fresh=fresh)
     except KeyboardInterrupt:
-        console.print("\nInterrupted. Finished trials are recorded; run the same command to resume.")
+        console.print(
+            "\nInterrupted. Finished trials are recorded; run the same command to resume."
+        )
         sys.exit(130)
     print_summary(console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id)
 
@@ -74,12 +80,22 @@ def print_summary(console: Console, experiment: str, tracking_uri: str, parent_r
     frame = load(experiment, tracking_uri, sweep=parent_run_id)
     counts = frame["status"].value_counts().to_dict()
     console.print(
-        f"\n[bold]{len(frame)} trials[/]: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        f"\n[bold]{len(frame)} trials[/]: "
+        + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     )
     ok = frame[frame["status"] == "ok"]
     if not ok.empty:
         table = Table(title="Best configurations (ok trials)")
-        for column in ("best for", "size", "batch", "dtype", "strategy", "peak alloc", "samples/s", "acc"):
+        for column in (
+            "best for",
+            "size",
+            "batch",
+            "dtype",
+            "strategy",
+            "peak alloc",
+            "samples/s",
+            "acc",
+        ):
             table.add_column(column, no_wrap=True)
         picks = [
             ("lowest memory", ok.nsmallest(2, "peak_allocated_bytes")),
@@ -106,12 +122,27 @@ def print_summary(console: Console, experiment: str, tracking_uri: str, parent_r
 
 
 @main.command()
-@click.option("--experiment", "-e", default=None, help="Experiment (spec name); default: the one run last.")
-@click.option("--sweep", "sweep_id", default="latest", show_default=True, help="'latest', 'all', or a sweep's parent run id.")
+@click.option(
+    "--experiment", "-e", default=None, help="Experiment (spec name); default: the one run last."
+)
+@click.option(
+    "--sweep",
+    "sweep_id",
+    default="latest",
+    show_default=True,
+    help="'latest', 'all', or a sweep's parent run id.",
+)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write to this file instead of stdout (required for parquet).")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write to this file instead of stdout (required for parquet).",
+)
 @click.option("--tracking-uri", default="sqlite:///results/mlflow.db", show_default=True)
-def results(experiment: str | None, sweep_id: str, fmt: str, out: Path | None, tracking_uri: str) -> None:
+def results(
+    experiment: str | None, sweep_id: str, fmt: str, out: Path | None, tracking_uri: str
+) -> None:
     """One row per trial: configuration, status and every metric, as a table or a file."""
     from harness.results import ResultsError, load
 
@@ -129,7 +160,9 @@ def results(experiment: str | None, sweep_id: str, fmt: str, out: Path | None, t
         text = frame.to_json(orient="records", indent=1, date_format="iso")
     else:
         shown = frame[[c for c in frame.columns if frame[c].notna().any()]]
-        text = shown.drop(columns=["run_id", "sweep_run_id", "start_time"], errors="ignore").to_string(index=False)
+        text = shown.drop(
+            columns=["run_id", "sweep_run_id", "start_time"], errors="ignore"
+        ).to_string(index=False)
     if fmt != "parquet":
         if out is None:
             click.echo(text)

@@ -7,6 +7,7 @@ killed, grandchildren included.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,10 +36,8 @@ def failure(config: TrialConfig, status: Status, reason: str) -> dict[str, Any]:
 
 
 def _kill_tree(process: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.wait()
 
 

@@ -22,7 +22,7 @@ METRICS: dict[str, str] = {
     "accuracy": "held-out accuracy after the training budget",
     "eval_loss": "held-out cross-entropy after the training budget",
     "train_loss": "mean training loss over the last epoch's worth of steps "
-    "(per-step history logged as the train_loss metric history)",
+    "(the per-step losses are the MLflow metric history train_loss_step)",
     "train_steps": "optimizer steps taken (the budget, or the measured steps if more)",
     "epochs": "epochs trained (train_steps / steps per epoch)",
     "epoch_time_s": "wall time of one epoch including moving batches to the device, "

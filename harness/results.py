@@ -32,8 +32,20 @@ ID_COLUMNS = [
     "seed",
 ]
 INT_PARAMS = {"batch_size", "world_size", "seed", "warmup_steps", "memory_steps", "timed_steps"}
-FLOAT_PARAMS = {"lr", "device_memory_bytes"}
-TAG_COLUMNS = ("trial_key", "status", "failure_reason", "device_name", "torch_version", "throughput_unit", "git_commit")
+FLOAT_PARAMS = {"lr", "weight_decay", "momentum", "device_memory_bytes"}
+BOOL_PARAMS = {"foreach"}
+TAG_COLUMNS = (
+    "trial_key",
+    "status",
+    "failure_reason",
+    "device_name",
+    "torch_version",
+    "throughput_unit",
+    "git_commit",
+)
+
+
+HISTORY_METRICS = {"train_loss_step"}  # per-step histories: read them with MlflowClient
 
 
 class ResultsError(Exception):
@@ -53,11 +65,17 @@ def _client(tracking_uri: str) -> Any:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def _all_runs(client: Any, experiment_ids: list[str], filter_string: str, order_by: list[str] | None = None) -> list[Any]:
+def _all_runs(
+    client: Any, experiment_ids: list[str], filter_string: str, order_by: list[str] | None = None
+) -> list[Any]:
     runs, token = [], None
     while True:
         page = client.search_runs(
-            experiment_ids, filter_string=filter_string, max_results=1000, order_by=order_by, page_token=token
+            experiment_ids,
+            filter_string=filter_string,
+            max_results=1000,
+            order_by=order_by,
+            page_token=token,
         )
         runs.extend(page)
         token = page.token
@@ -89,6 +107,19 @@ def find_sweep(client: Any, experiment: str | None) -> tuple[str, Any]:
     return sweeps[0].info.experiment_id, sweeps[0]
 
 
+def _sweep_by_id(client: Any, run_id: str) -> str:
+    """The experiment id of the sweep with this parent run id, or a clear error."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise ResultsError(f"no run with id {run_id!r} in this store") from None
+    if run.data.tags.get(ROLE_TAG) != SWEEP_ROLE:
+        raise ResultsError(f"run {run_id!r} is not a sweep (parent) run")
+    return run.info.experiment_id
+
+
 def load(
     experiment: str | None = None,
     tracking_uri: str = DEFAULT_TRACKING_URI,
@@ -101,13 +132,13 @@ def load(
     sweep of the experiment) or a sweep's parent run id.
     """
     client = _client(tracking_uri)
-    experiment_id, latest = find_sweep(client, experiment)
     role = f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'"
-    if sweep == "all":
-        filter_string = role
+    if sweep in ("latest", "all"):
+        experiment_id, latest = find_sweep(client, experiment)
+        parent = latest.info.run_id
     else:
-        parent = latest.info.run_id if sweep == "latest" else sweep
-        filter_string = f"{role} and tags.`{PARENT_TAG}` = '{parent}'"
+        experiment_id, parent = _sweep_by_id(client, sweep), sweep
+    filter_string = role if sweep == "all" else f"{role} and tags.`{PARENT_TAG}` = '{parent}'"
     runs = _all_runs(client, [experiment_id], filter_string, ["attributes.start_time ASC"])
     return to_frame(runs)
 
@@ -117,7 +148,7 @@ def to_frame(runs: list[Any]) -> pd.DataFrame:
     for run in runs:
         row: dict[str, Any] = dict(run.data.params)
         row.update({key: run.data.tags.get(key) for key in TAG_COLUMNS})
-        row.update(run.data.metrics)
+        row.update({k: v for k, v in run.data.metrics.items() if k not in HISTORY_METRICS})
         row["run_id"] = run.info.run_id
         row["sweep_run_id"] = run.data.tags.get(PARENT_TAG)
         row["start_time"] = pd.to_datetime(run.info.start_time, unit="ms", utc=True)
@@ -132,6 +163,8 @@ def to_frame(runs: list[Any]) -> pd.DataFrame:
             if column.startswith("knob_") and numeric.isna().any():
                 continue  # a user model's non-numeric knob stays text
             frame[column] = numeric.astype("Int64")
+        elif column in BOOL_PARAMS:
+            frame[column] = frame[column].map({"True": True, "False": False}).astype("boolean")
         elif column in FLOAT_PARAMS or column in METRICS or column == "trial_wall_time_s":
             frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
     frame["failure_reason"] = frame["failure_reason"].fillna("")

@@ -7,11 +7,13 @@ samplers build on the same study in later work). Objective values come from the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
-from harness.spec import Spec
+from harness.spec import Spec, SpecError
 from harness.tracking import prepare_store
+
 
 def study_name(spec: Spec) -> str:
     return f"{spec.experiment}-{spec.grid_hash()}"
@@ -24,17 +26,25 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
     prepare_store(spec.tracking.storage)
     name = study_name(spec)
     if fresh:
-        try:
+        with contextlib.suppress(KeyError):
             optuna.delete_study(study_name=name, storage=spec.tracking.storage)
-        except KeyError:
-            pass
-    return optuna.create_study(
+    study = optuna.create_study(
         study_name=name,
         storage=spec.tracking.storage,
         sampler=optuna.samplers.GridSampler(spec.axes(), seed=spec.train.seed),
         directions=[objective.direction for objective in spec.search.objectives],
         load_if_exists=True,
     )
+    wanted = [f"{o.metric}:{o.direction}" for o in spec.search.objectives]
+    recorded = study.user_attrs.get("objectives")
+    if recorded is None:
+        study.set_user_attr("objectives", wanted)
+    elif recorded != wanted:
+        raise SpecError(
+            f"{spec._source or '<spec>'}: search.objectives: {', '.join(wanted)} differ from "
+            f"{', '.join(recorded)} that this sweep started with; rerun with --fresh for a new sweep"
+        )
+    return study
 
 
 def fail_stale_trials(study: Any) -> int:
@@ -69,4 +79,3 @@ def tell(study: Any, trial: Any, spec: Spec, result: dict[str, Any], run_id: str
         study.tell(trial, values)
     else:
         study.tell(trial, state=TrialState.FAIL)
-

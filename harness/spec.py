@@ -125,19 +125,22 @@ class DataSpec(Strict):
 
     @model_validator(mode="after")
     def options_fit_dataset(self) -> DataSpec:
-        if self.dataset != "synthetic":
-            for key in ("shape", "num_classes", "num_samples"):
-                if getattr(self, key) is not None:
-                    raise FieldProblem([key], f"only applies to dataset 'synthetic', not {self.dataset!r}")
+        used = DATASETS[self.dataset].options
+        for key in ("shape", "num_classes", "num_samples", "data_dir", "download", "test_fraction"):
+            if key in self.model_fields_set and key not in used:
+                users = [name for name, info in DATASETS.items() if key in info.options]
+                raise FieldProblem(
+                    [key], f"only applies to dataset {' or '.join(users)}, not {self.dataset!r}"
+                )
         return self
 
     def options(self) -> dict[str, Any]:
         """What the dataset loader receives (only what the dataset uses, so keys stay stable)."""
-        chosen: dict[str, Any] = {"test_fraction": self.test_fraction}
+        chosen: dict[str, Any] = {}
         for key in DATASETS[self.dataset].options:
             value = getattr(self, key)
             if value is not None:
-                chosen[key] = str(Path(value).resolve()) if key == "data_dir" else value
+                chosen[key] = value
         return chosen
 
 
@@ -185,6 +188,12 @@ class OptimizerSpec(Strict):
     momentum: float = Field(0.0, ge=0, lt=1)
     foreach: bool = False
 
+    @model_validator(mode="after")
+    def momentum_is_sgd_only(self) -> OptimizerSpec:
+        if self.momentum and self.name != "sgd":
+            raise FieldProblem(["momentum"], f"only applies to optimizer sgd, not {self.name!r}")
+        return self
+
 
 class BudgetSpec(Strict):
     epochs: PositiveInt | None = None
@@ -197,7 +206,9 @@ class BudgetSpec(Strict):
         return self
 
     def as_dict(self) -> dict[str, int]:
-        return {"epochs": self.epochs} if self.epochs is not None else {"steps": int(self.steps or 0)}
+        return (
+            {"epochs": self.epochs} if self.epochs is not None else {"steps": int(self.steps or 0)}
+        )
 
 
 class TrainSpec(Strict):
@@ -220,7 +231,9 @@ class ObjectiveSpec(Strict):
     @classmethod
     def known_metric(cls, metric: str) -> str:
         if metric not in METRICS:
-            raise ValueError(f"unknown metric {metric!r}{did_you_mean(metric, METRICS)} (see the README's metric table)")
+            raise ValueError(
+                f"unknown metric {metric!r}{did_you_mean(metric, METRICS)} (see the README's metric table)"
+            )
         return metric
 
 
@@ -276,7 +289,9 @@ class Spec(Strict):
     @classmethod
     def usable_name(cls, name: str) -> str:
         if not NAME_RE.match(name):
-            raise ValueError("use letters, digits, '_', '-' and '.', starting with a letter or digit")
+            raise ValueError(
+                "use letters, digits, '_', '-' and '.', starting with a letter or digit"
+            )
         return name
 
     @field_validator("device")
@@ -328,7 +343,9 @@ class Spec(Strict):
 
     def points(self) -> list[dict[str, Any]]:
         axes = self.axes()
-        return [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+        return [
+            dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())
+        ]
 
     def trials(self) -> list[TrialConfig]:
         return [self.trial_config(point) for point in self.points()]
@@ -430,7 +447,9 @@ def format_error(source: str, error: dict[str, Any]) -> str:
 def parse_spec(data: Any, source: str = "<spec>") -> Spec:
     """Validate an already-parsed YAML document; raise ``SpecError`` with one line per problem."""
     if not isinstance(data, dict):
-        raise SpecError(f"{source}: the spec must be a YAML mapping of keys (name, model, grid, ...)")
+        raise SpecError(
+            f"{source}: the spec must be a YAML mapping of keys (name, model, grid, ...)"
+        )
     try:
         spec = Spec.model_validate(data)
     except ValidationError as error:

@@ -7,6 +7,7 @@ again, and a trial interrupted by a killed sweep is run anew.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,11 +59,17 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
     experiment_dir = results_dir / spec.experiment
     study = search.open_study(spec, fresh=fresh)
     interrupted = search.fail_stale_trials(study)
-    tracker = Tracker(spec.tracking.mlflow_uri, spec.experiment, results_dir / "mlartifacts" / spec.experiment)
+    tracker = Tracker(
+        spec.tracking.mlflow_uri, spec.experiment, results_dir / "mlartifacts" / spec.experiment
+    )
     parent = tracker.open_sweep(
         None if fresh else study.user_attrs.get("mlflow_parent_run_id"),
         name=f"sweep {spec.experiment}",
-        tags={"spec_name": spec.name, "grid_hash": spec.grid_hash(), "study_name": study.study_name},
+        tags={
+            "spec_name": spec.name,
+            "grid_hash": spec.grid_hash(),
+            "study_name": study.study_name,
+        },
         params=sweep_params(spec),
     )
     study.set_user_attr("mlflow_parent_run_id", parent)
@@ -70,7 +77,7 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
         tracker.client.log_artifact(parent, spec._source, artifact_path="spec")
 
     points = spec.points()
-    recorded = tracker.recorded_trial_keys(parent)
+    recorded = tracker.recorded_trials(parent)
     planned = [(point, spec.trial_config(point)) for point in points]
     pending = [(point, config) for point, config in planned if config.trial_key not in recorded]
     outcome = SweepOutcome(spec.experiment, parent, len(points), len(points) - len(pending))
@@ -81,7 +88,7 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
         )
     if not pending:
         console.print("Nothing left to run. Use --fresh to start a new sweep of this spec.")
-        tracker.close_sweep(parent, {})
+        tracker.close_sweep(parent, status_counts(tracker.recorded_trials(parent)))
         return outcome
 
     console.print(
@@ -99,14 +106,25 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
     )
     try:
         with progress:
-            task = progress.add_task("starting", total=len(points), completed=outcome.already_recorded)
+            task = progress.add_task(
+                "starting", total=len(points), completed=outcome.already_recorded
+            )
             for index, (point, config) in enumerate(pending, start=outcome.already_recorded + 1):
                 label = trial_label(point)
                 progress.update(task, description=f"trial {index}/{len(points)}: {label}")
                 trial = search.ask(study, spec, point)
                 started_ms = int(time.time() * 1000)
-                result = run_with_retries(spec, config, experiment_dir / "trials" / config.trial_key)
-                run_id = tracker.log_trial(parent, config, result, experiment_dir / "trials" / config.trial_key, started_ms, label)
+                result = run_with_retries(
+                    spec, config, experiment_dir / "trials" / config.trial_key
+                )
+                run_id = tracker.log_trial(
+                    parent,
+                    config,
+                    result,
+                    experiment_dir / "trials" / config.trial_key,
+                    started_ms,
+                    label,
+                )
                 search.tell(study, trial, spec, result, run_id)
                 outcome.statuses[result["status"]] = outcome.statuses.get(result["status"], 0) + 1
                 progress.console.print(
@@ -120,9 +138,14 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
     except KeyboardInterrupt:
         tracker.close_sweep(parent, {}, status="KILLED")
         raise
-    counts = {f"trials_{status}": float(n) for status, n in outcome.statuses.items()}
-    tracker.close_sweep(parent, counts)
+    tracker.close_sweep(parent, status_counts(tracker.recorded_trials(parent)))
     return outcome
+
+
+def status_counts(recorded: dict[str, str]) -> dict[str, float]:
+    """The parent run's ``trials_<status>`` metrics, over the whole sweep (resumes included)."""
+    counts = Counter(recorded.values())
+    return {f"trials_{status}": float(n) for status, n in counts.items()}
 
 
 def run_with_retries(spec: Spec, config: Any, workdir: Path) -> dict[str, Any]:

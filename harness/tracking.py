@@ -21,11 +21,21 @@ ROLE_TAG = "harness_role"
 SWEEP_ROLE, TRIAL_ROLE = "sweep", "trial"
 PARENT_TAG = "mlflow.parentRunId"
 BATCH = 1000  # MLflow's log_batch limit on metrics per call
-ENDED_RUN_STATUS = {"ok": "FINISHED", "oom": "FINISHED", "infeasible": "FINISHED", "diverged": "FINISHED"}
+ENDED_RUN_STATUS = {
+    "ok": "FINISHED",
+    "oom": "FINISHED",
+    "infeasible": "FINISHED",
+    "diverged": "FINISHED",
+}
 
 
 def quiet_mlflow() -> None:
-    """MLflow logs schema migrations and store creation at INFO; users need none of it."""
+    """MLflow logs schema migrations and store creation at INFO; users need none of it.
+
+    Call after importing mlflow: its import configures the "mlflow" logger.
+    """
+    import mlflow  # noqa: F401  (configures its loggers, which we then quieten)
+
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -59,6 +69,9 @@ def trial_params(config: TrialConfig, result: dict[str, Any]) -> dict[str, str]:
         "strategy": config.strategy_text,
         "optimizer": config.optimizer["name"],
         "lr": config.optimizer["lr"],
+        "weight_decay": config.optimizer.get("weight_decay", 0.0),
+        "momentum": config.optimizer.get("momentum", 0.0),
+        "foreach": config.optimizer.get("foreach", False),
         "dataset": config.dataset,
         "device": result.get("info", {}).get("device", config.device),
         "world_size": 1,
@@ -80,9 +93,10 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
 
 class Tracker:
     def __init__(self, uri: str, experiment: str, artifact_root: Path) -> None:
-        quiet_mlflow()
         prepare_store(uri)
         from mlflow.tracking import MlflowClient
+
+        quiet_mlflow()
 
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
@@ -100,7 +114,9 @@ class Tracker:
 
     # ---- the sweep's parent run ---------------------------------------------------------------
 
-    def open_sweep(self, run_id: str | None, name: str, tags: dict[str, str], params: dict[str, str]) -> str:
+    def open_sweep(
+        self, run_id: str | None, name: str, tags: dict[str, str], params: dict[str, str]
+    ) -> str:
         """Resume the sweep's parent run if it still exists, else start a new one."""
         if run_id:
             from mlflow.exceptions import MlflowException
@@ -122,18 +138,21 @@ class Tracker:
         self._log(run_id, metrics=metrics)
         self.client.set_terminated(run_id, status=status)
 
-    def recorded_trial_keys(self, parent_run_id: str) -> set[str]:
-        """Trial keys already recorded under this sweep (they are never run again)."""
+    def recorded_trials(self, parent_run_id: str) -> dict[str, str]:
+        """``trial_key -> status`` of the trials recorded under this sweep (never run again)."""
         runs = self.search(
             f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}'"
         )
-        return {run.data.tags.get("trial_key", "") for run in runs}
+        return {run.data.tags.get("trial_key", ""): run.data.tags.get("status", "") for run in runs}
 
     def search(self, filter_string: str) -> Iterable[Any]:
         token = None
         while True:
             page = self.client.search_runs(
-                [self.experiment_id], filter_string=filter_string, max_results=1000, page_token=token
+                [self.experiment_id],
+                filter_string=filter_string,
+                max_results=1000,
+                page_token=token,
             )
             yield from page
             token = page.token
@@ -171,7 +190,10 @@ class Tracker:
         metrics = dict(result.get("metrics", {}))
         if "wall_time_s" in result:
             metrics["trial_wall_time_s"] = result["wall_time_s"]
-        history = [("train_loss_step", value, step) for step, value in enumerate(result.get("loss_history", []))]
+        history = [
+            ("train_loss_step", value, step)
+            for step, value in enumerate(result.get("loss_history", []))
+        ]
         self._log(run_id, metrics=metrics, params=trial_params(config, result), history=history)
         self.client.log_artifacts(run_id, str(workdir), artifact_path="trial")
         self.client.set_terminated(run_id, status=ENDED_RUN_STATUS.get(result["status"], "FAILED"))

@@ -110,7 +110,9 @@ class Trial:
 
     def measure_memory(self, stream: Iterator[Any], steps: int) -> None:
         staged = [self.to_device(next(stream)) for _ in range(steps)]
-        window = MemoryWindow(self.device, self.model, self.optimizer, [t for b in staged for t in b])
+        window = MemoryWindow(
+            self.device, self.model, self.optimizer, [t for b in staged for t in b]
+        )
         with window:
             for batch in staged:
                 loss = self.train_step(*batch)
@@ -150,7 +152,9 @@ class Trial:
         self.model.eval()
         correct, loss_sum = 0, 0.0
         for start in range(0, len(data.test_x), EVAL_BATCH):
-            x, y = self.to_device((data.test_x[start : start + EVAL_BATCH], data.test_y[start : start + EVAL_BATCH]))
+            x, y = self.to_device(
+                (data.test_x[start : start + EVAL_BATCH], data.test_y[start : start + EVAL_BATCH])
+            )
             with self.precision.autocast():
                 logits = self.model(x)
             loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
@@ -161,14 +165,18 @@ class Trial:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_device(
+        self, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for x_part, y_part in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True):
+        for x_part, y_part in zip(
+            x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True
+        ):
             with self.precision.autocast():
                 loss = F.cross_entropy(self.model(x_part), y_part) / self.micro_batches
             self.precision.backward(loss)
@@ -181,7 +189,9 @@ class Trial:
         self.steps_done += 1
         self.loss_history.append(value)
         if not math.isfinite(value):
-            raise TrialFailure(Status.DIVERGED, f"training loss became {value} at step {self.steps_done}")
+            raise TrialFailure(
+                Status.DIVERGED, f"training loss became {value} at step {self.steps_done}"
+            )
 
     # ---- the result ---------------------------------------------------------------------------
 

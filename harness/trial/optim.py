@@ -14,18 +14,29 @@ import torch
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
-def build_optimizer(spec: dict[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(
+    spec: dict[str, Any], params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
     name = spec.get("name", "adam")
     lr = float(spec.get("lr", 1e-3))
     weight_decay = float(spec.get("weight_decay", 0.0))
     foreach = bool(spec.get("foreach", False))
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=foreach, fused=False)
+        return torch.optim.Adam(
+            params, lr=lr, weight_decay=weight_decay, foreach=foreach, fused=False
+        )
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=foreach, fused=False)
+        return torch.optim.AdamW(
+            params, lr=lr, weight_decay=weight_decay, foreach=foreach, fused=False
+        )
     if name == "sgd":
         momentum = float(spec.get("momentum", 0.0))
         return torch.optim.SGD(
-            params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=foreach, fused=False
+            params,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            foreach=foreach,
+            fused=False,
         )
     raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")

@@ -72,10 +72,12 @@ DATASETS: dict[str, DatasetInfo] = {
         "digits",
         "scikit-learn's bundled 8x8 handwritten digits (1,797 images, 10 classes); offline",
         "harness.workloads.digits:load",
+        ("test_fraction",),
     ),
     "cifar10": DatasetInfo(
         "cifar10",
-        "CIFAR-10 (50,000 + 10,000 32x32 colour images); downloaded by torchvision into data_dir",
+        "CIFAR-10 (50,000 + 10,000 32x32 colour images, its own test split held out); "
+        "downloaded by torchvision into data_dir",
         "harness.workloads.cifar10:load",
         ("data_dir", "download"),
     ),
@@ -83,7 +85,7 @@ DATASETS: dict[str, DatasetInfo] = {
         "synthetic",
         "random tensors of a given shape and class count, for pure memory/speed runs",
         "harness.workloads.synthetic:load",
-        ("shape", "num_classes", "num_samples"),
+        ("shape", "num_classes", "num_samples", "test_fraction"),
     ),
 }
 

@@ -54,7 +54,9 @@ def ensure_downloaded(root: Path, download: bool) -> Path:
 
 
 def load(options: dict[str, Any], seed: int) -> SplitData:
-    folder = ensure_downloaded(Path(options.get("data_dir") or "data"), bool(options.get("download")))
+    folder = ensure_downloaded(
+        Path(options.get("data_dir") or "data"), bool(options.get("download"))
+    )
     train = [_read_batch(folder / name) for name in TRAIN_FILES]
     test_x, test_y = _read_batch(folder / TEST_FILE)
     train_x = torch.cat([x for x, _ in train])

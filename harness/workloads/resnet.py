@@ -20,7 +20,9 @@ def build(data: DataInfo, depth: int = 18) -> nn.Module:
     if depth not in _CONSTRUCTORS:
         raise ValueError(f"resnet depth must be one of {sorted(_CONSTRUCTORS)}; got {depth}")
     if len(data.input_shape) != 3:
-        raise ValueError(f"resnet needs image inputs (C, H, W); the dataset gives {data.input_shape}")
+        raise ValueError(
+            f"resnet needs image inputs (C, H, W); the dataset gives {data.input_shape}"
+        )
     model = _CONSTRUCTORS[depth](weights=None, num_classes=data.num_classes)
     channels = data.input_shape[0]
     if channels != 3:

@@ -42,10 +42,12 @@ class SplitData:
         )
 
 
-def split(x: torch.Tensor, y: torch.Tensor, num_classes: int, test_fraction: float, seed: int) -> SplitData:
+def split(
+    x: torch.Tensor, y: torch.Tensor, num_classes: int, test_fraction: float, seed: int
+) -> SplitData:
     """Seeded shuffle, then hold out the last ``test_fraction`` of samples for evaluation."""
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_test = max(1, int(round(len(x) * test_fraction)))
+    n_test = max(1, round(len(x) * test_fraction))
     test, train = order[:n_test], order[n_test:]
     return SplitData(x[train], y[train], x[test], y[test], num_classes)
 

@@ -1,0 +1,41 @@
+# One command each on a fresh machine: `make sweep`, `make test`. The virtualenv is created and
+# the project installed on first use (a stamp file records it; pyproject.toml changes re-install).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+SPEC   ?= experiments/default.yaml
+# torch/torchvision pinned here (not in pyproject) to the releases this machine serves from disk;
+# a GPU user may install any torch>=2.4 instead.
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: install sweep test test-fast lint ui clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_PINS)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+sweep: $(STAMP)
+	$(BIN)/harness sweep $(SPEC)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check harness tests
+	$(BIN)/ruff format --check harness tests
+
+ui: $(STAMP)
+	@mkdir -p results
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///results/mlflow.db --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf results .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,207 @@
+"""Spec validation: good specs expand to the grid; each bad one fails with one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.spec import SpecError, load_spec, parse_spec
+from tests.conftest import REPO, run_cli, write_spec
+
+
+def test_default_spec_plans_at_least_twelve_trials():
+    spec = load_spec(REPO / "experiments" / "default.yaml")
+    trials = spec.trials()
+    assert len(trials) >= 12
+    assert len({t.trial_key for t in trials}) == len(trials)
+    assert {t.dtype for t in trials} == {"fp32", "bf16"}
+
+
+def test_seed_cifar10_spec_is_the_article_setup():
+    spec = load_spec(REPO / "experiments" / "seed_cifar10.yaml")
+    assert spec.data.dataset == "cifar10"
+    assert spec.grid.batch_size == [32]
+    assert set(spec.grid.dtype) == {"fp32", "fp16"}
+    assert spec.train.optimizer.name == "adam" and spec.train.optimizer.lr == 1e-3
+    assert spec.train.budget.epochs == 10
+
+
+def test_grid_is_the_product_of_axes(base_spec):
+    base_spec["model"]["sizes"]["wide"] = {"width": 64, "depth": 1}
+    base_spec["grid"].update(batch_size=[8, 16, 32], dtype=["fp32", "bf16"])
+    spec = parse_spec(base_spec)
+    assert len(spec.points()) == 2 * 3 * 2 * 1
+    assert spec.points()[0] == {
+        "model_size": "tiny",
+        "batch_size": 8,
+        "dtype": "fp32",
+        "strategy": "none",
+    }
+
+
+def test_trial_key_is_stable_and_sensitive(base_spec):
+    first = parse_spec(base_spec).trials()[0].trial_key
+    assert parse_spec(base_spec).trials()[0].trial_key == first
+    base_spec["train"]["seed"] = 1
+    assert parse_spec(base_spec).trials()[0].trial_key != first
+
+
+def test_defaults_fill_optional_sections():
+    spec = parse_spec(
+        {
+            "name": "x",
+            "model": {"family": "cnn", "sizes": {"s": {"width": 4}}},
+            "grid": {"batch_size": [8]},
+        }
+    )
+    assert spec.grid.dtype == ["fp32"] and spec.grid.strategy == ["none"]
+    assert spec.tracking.mlflow_uri == "sqlite:///results/mlflow.db"
+    assert spec.device == "auto" and spec.device_memory is None
+    assert spec.train.budget.epochs == 1
+
+
+def test_memory_sizes_and_durations_parse(base_spec):
+    base_spec["device_memory"] = "16GiB"
+    base_spec["limits"] = {"trial_timeout": "10m"}
+    spec = parse_spec(base_spec)
+    assert spec.device_memory == 16 * 2**30
+    assert spec.limits.trial_timeout == 600
+
+
+def test_user_model_family_passes_knobs_through(base_spec):
+    base_spec["model"] = {
+        "family": "mypkg.models:build",
+        "sizes": {"a": {"mode": "fast", "layers": 3}},
+    }
+    spec = parse_spec(base_spec)
+    assert spec.trials()[0].model_knobs == {"mode": "fast", "layers": 3}
+
+
+BAD_SPECS = [
+    # (mutation, field path that must be named, a word the message must contain)
+    (lambda d: d.update(unknown_key=1), "unknown_key", "unknown key"),
+    (
+        lambda d: d["train"].update(optimzer={"name": "adam"}),
+        "train.optimzer",
+        "did you mean 'optimizer'",
+    ),
+    (
+        lambda d: d["model"].update(family="transformerr"),
+        "model.family",
+        "allowed: cnn, mlp, resnet",
+    ),
+    (lambda d: d["grid"].update(batch_size=[32, -4]), "grid.batch_size[1]", "-4"),
+    (lambda d: d["grid"].update(dtype=[]), "grid.dtype", "at least one"),
+    (lambda d: d["grid"].update(strategy=[]), "grid.strategy", "at least one"),
+    (lambda d: d.update(device_memory="16 gigs"), "device_memory", "16GiB"),
+    (lambda d: d["grid"].update(dtype=["fp23"]), "grid.dtype[0]", "did you mean 'fp32'"),
+    (
+        lambda d: d["grid"].update(strategy=["none", "chekpoint"]),
+        "grid.strategy[1]",
+        "unknown strategy",
+    ),
+    (
+        lambda d: d["model"]["sizes"]["tiny"].update(widht=3),
+        "model.sizes.tiny.widht",
+        "did you mean 'width'",
+    ),
+    (
+        lambda d: d["model"]["sizes"]["tiny"].update(width=0),
+        "model.sizes.tiny.width",
+        "positive integer",
+    ),
+    (lambda d: d["data"].update(dataset="mnist"), "data.dataset", "allowed: digits"),
+    (lambda d: d["train"].update(budget={"epochs": 1, "steps": 3}), "train.budget", "exactly one"),
+    (lambda d: d.pop("name"), "name", "required"),
+    (lambda d: d.update(device="tpu"), "device", "auto, cpu, cuda"),
+    (lambda d: d["grid"].update(batch_size=[32, 32]), "grid.batch_size[1]", "duplicate"),
+    (lambda d: d["train"]["optimizer"].update(lr=0), "train.optimizer.lr", "greater than 0"),
+    (
+        lambda d: d.update(search={"objectives": [{"metric": "thruput", "direction": "maximize"}]}),
+        "search.objectives[0].metric",
+        "did you mean 'throughput'",
+    ),
+    (lambda d: d.update(search={"method": "bayes"}), "search.method", "grid"),
+    (lambda d: d["measure"].update(warmup_steps=0), "measure.warmup_steps", "at least 1"),
+    (lambda d: d.update(limits={"trial_timeout": "soon"}), "limits.trial_timeout", "duration"),
+    (lambda d: d["grid"].update(batch_size="32"), "grid.batch_size", "must be a list"),
+    (lambda d: d["model"].update(sizes={}), "model.sizes", "at least one"),
+    (lambda d: d["data"].update(shape=[1, 8, 8]), "data.shape", "synthetic"),
+    (lambda d: d["data"].update(download=True), "data.download", "cifar10"),
+    (lambda d: d["train"]["optimizer"].update(momentum=0.9), "train.optimizer.momentum", "sgd"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "path", "words"), BAD_SPECS)
+def test_bad_spec_gives_one_line_naming_the_field(base_spec, mutate, path, words):
+    mutate(base_spec)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(base_spec, "exp.yaml")
+    message = str(caught.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"exp.yaml: {path}: "), message
+    assert words in message, message
+
+
+def test_several_problems_are_reported_one_per_line(base_spec):
+    base_spec["grid"]["batch_size"] = [-1]
+    base_spec["device"] = "tpu"
+    with pytest.raises(SpecError) as caught:
+        parse_spec(base_spec, "exp.yaml")
+    lines = str(caught.value).splitlines()
+    assert len(lines) == 2 and all(line.startswith("exp.yaml: ") for line in lines)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path: Path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nmodel: {family: cnn\ngrid: [\n")
+    with pytest.raises(SpecError, match=r"broken.yaml:\d+:\d+: invalid YAML"):
+        load_spec(path)
+
+
+def test_missing_and_empty_files(tmp_path: Path):
+    with pytest.raises(SpecError, match="no such spec file"):
+        load_spec(tmp_path / "nope.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(SpecError, match="the spec is empty"):
+        load_spec(tmp_path / "empty.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="must be a YAML mapping"):
+        load_spec(tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d["train"].update(optimzer={}), "train.optimzer"),
+        (lambda d: d["model"].update(family="cnnn"), "model.family"),
+        (lambda d: d["grid"].update(batch_size=[-4]), "grid.batch_size[0]"),
+        (lambda d: d["grid"].update(batch_size=[]), "grid.batch_size"),
+        (lambda d: d.update(device_memory="12 gigabytes please"), "device_memory"),
+    ],
+)
+def test_validate_cli_exits_2_with_one_line_and_no_traceback(tmp_path, base_spec, mutate, field):
+    mutate(base_spec)
+    path = write_spec(tmp_path, base_spec, "bad.yaml")
+    done = run_cli("validate", str(path), cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"{path}: {field}: ")
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_validate_cli_accepts_good_specs(tmp_path):
+    done = run_cli("validate", str(REPO / "experiments" / "default.yaml"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "ok (12 trials" in done.stdout
+
+
+def test_sweep_with_bad_spec_runs_and_records_nothing(tmp_path, base_spec):
+    base_spec["grid"]["batch_size"] = [0]
+    path = write_spec(tmp_path, base_spec, "bad.yaml")
+    done = run_cli("sweep", str(path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "grid.batch_size[0]" in done.stderr
+    assert not (tmp_path / "results").exists()

@@ -1,0 +1,154 @@
+"""End to end, as a user runs it: ``harness sweep`` -> trial processes -> MLflow -> pandas.
+
+Slow (real trial processes, real SQLite stores in a temporary folder); CI runs them.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import shutil
+import sqlite3
+
+import pandas as pd
+import pytest
+
+from harness.results import load
+from tests.conftest import BASE_SPEC, REPO, copy_fixture, run_cli, write_spec
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def faults_sweep(tmp_path_factory):
+    """One sweep whose five trials end five different ways (run once, read by several tests)."""
+    tmp_path = tmp_path_factory.mktemp("faults")
+    base_spec = copy.deepcopy(BASE_SPEC)
+    copy_fixture("faulty_models.py", tmp_path)
+    base_spec["name"] = "faults"
+    base_spec["model"] = {
+        "family": "faulty_models:build",
+        "sizes": {
+            "ok": {"mode": "ok", "width": 16},
+            "crash": {"mode": "crash"},
+            "hang": {"mode": "hang"},
+            "nan": {"mode": "nan"},
+            "huge": {"mode": "ok", "width": 4096},
+        },
+    }
+    base_spec["device_memory"] = "1MiB"
+    base_spec["limits"] = {"trial_timeout": "25s"}
+    spec_path = write_spec(tmp_path, base_spec)
+    done = run_cli("sweep", str(spec_path), cwd=tmp_path)
+    return tmp_path, spec_path, done
+
+
+def test_every_failure_is_recorded_and_the_sweep_goes_on(faults_sweep):
+    folder, _, done = faults_sweep
+    assert done.returncode == 0, done.stderr
+    frame = load("faults", f"sqlite:///{folder}/results/mlflow.db").set_index("model_size")
+    assert frame["status"].to_dict() == {
+        "ok": "ok",
+        "crash": "crash",
+        "hang": "timeout",
+        "nan": "diverged",
+        "huge": "oom",
+    }
+    assert frame.loc["crash", "failure_reason"] == "killed by SIGSEGV"
+    assert "25s trial_timeout" in frame.loc["hang", "failure_reason"]
+    assert frame.loc["nan", "failure_reason"] == "training loss became nan at step 1"
+    assert "exceeds device_memory 1.00 MiB" in frame.loc["huge", "failure_reason"]
+    assert frame.loc["huge", "peak_allocated_bytes"] > 2**20
+    assert frame.loc["ok", "accuracy"] > 0
+    assert frame.loc["ok", "failure_reason"] == ""
+    # The trial's log travels with its MLflow run.
+    assert "Traceback" not in done.stdout
+    assert "5 trials: 1 crash, 1 diverged, 1 ok, 1 oom, 1 timeout" in done.stdout
+
+
+def test_optuna_study_records_every_grid_point(faults_sweep):
+    import optuna
+
+    folder, _, _ = faults_sweep
+    summaries = optuna.get_all_study_summaries(f"sqlite:///{folder}/results/optuna.db")
+    assert len(summaries) == 1
+    study = optuna.load_study(
+        study_name=summaries[0].study_name, storage=f"sqlite:///{folder}/results/optuna.db"
+    )
+    trials = study.get_trials()
+    assert sorted(t.params["model_size"] for t in trials) == ["crash", "hang", "huge", "nan", "ok"]
+    states = {t.params["model_size"]: t.state.name for t in trials}
+    assert states["ok"] == "COMPLETE"
+    assert all(t.user_attrs["mlflow_run_id"] for t in trials)
+
+
+def test_results_cli_exports_numbers(faults_sweep):
+    folder, _, _ = faults_sweep
+    done = run_cli("results", "--format", "csv", cwd=folder)
+    assert done.returncode == 0, done.stderr
+    frame = pd.read_csv(io.StringIO(done.stdout))
+    assert len(frame) == 5
+    assert list(frame.columns[:13]) == [
+        "trial_key", "status", "failure_reason", "model", "model_size", "batch_size", "dtype",
+        "strategy", "optimizer", "dataset", "device", "world_size", "seed",
+    ]  # fmt: skip
+    for column in (
+        "peak_allocated_bytes",
+        "peak_rss_bytes",
+        "throughput",
+        "accuracy",
+        "batch_size",
+    ):
+        assert pd.api.types.is_numeric_dtype(frame[column]), column
+    parquet = folder / "out.parquet"
+    assert (
+        run_cli("results", "--format", "parquet", "--out", str(parquet), cwd=folder).returncode == 0
+    )
+    assert len(pd.read_parquet(parquet)) == 5
+
+
+def test_results_cli_without_a_store_says_what_to_do(tmp_path):
+    done = run_cli("results", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "run a sweep first" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_default_sweep_end_to_end(tmp_path):
+    """What `make sweep` runs, in a scratch folder: 12+ ok trials, recorded in MLflow."""
+    spec_path = tmp_path / "default.yaml"
+    shutil.copy(REPO / "experiments" / "default.yaml", spec_path)
+    done = run_cli("sweep", str(spec_path), cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stderr
+    frame = load(tracking_uri=f"sqlite:///{tmp_path}/results/mlflow.db")
+    assert (frame["status"] == "ok").sum() >= 12
+    assert frame["accuracy"].max() > 0.8
+    for column in (
+        "peak_allocated_bytes", "peak_rss_bytes", "throughput", "accuracy", "mem_param_bytes",
+        "mem_grad_bytes", "mem_optim_bytes", "mem_activation_bytes", "mem_other_bytes",
+    ):  # fmt: skip
+        assert frame[column].notna().all() and (frame[column] >= 0).all(), column
+    with sqlite3.connect(tmp_path / "results" / "mlflow.db") as db:
+        parents = db.execute(
+            "select count(*) from tags where key='harness_role' and value='sweep'"
+        ).fetchone()[0]
+        children = db.execute(
+            "select count(*) from tags where key='mlflow.parentRunId'"
+        ).fetchone()[0]
+    assert parents == 1 and children == len(frame) >= 12
+
+
+def test_rerun_resumes_without_repeating_or_duplicating(faults_sweep):
+    """Last in the file: it adds a second (--fresh) sweep to the shared store."""
+    folder, spec_path, _ = faults_sweep
+    again = run_cli("sweep", str(spec_path), cwd=folder)
+    assert again.returncode == 0, again.stderr
+    assert "5 of 5 trials already recorded" in again.stdout
+    assert "Nothing left to run" in again.stdout
+    frame = load("faults", f"sqlite:///{folder}/results/mlflow.db")
+    assert len(frame) == 5 and frame["trial_key"].is_unique
+
+    fresh = run_cli("sweep", str(spec_path), "--fresh", cwd=folder)
+    assert fresh.returncode == 0, fresh.stderr
+    every = load("faults", f"sqlite:///{folder}/results/mlflow.db", sweep="all")
+    assert len(every) == 10 and every["sweep_run_id"].nunique() == 2
+    assert len(load("faults", f"sqlite:///{folder}/results/mlflow.db")) == 5  # latest sweep only

@@ -1,0 +1,44 @@
+import pytest
+
+from harness.units import format_bytes, parse_bytes, parse_seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("16GiB", 16 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("512 MiB", 512 * 2**20),
+        ("1.5KiB", 1536),
+        (1024, 1024),
+        ("7", 7),
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["16 gigs", "GiB", "-1GiB", "0", 0, True, "1.2.3MiB"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError, match="size such as"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("90s", 90), ("10m", 600), ("1h", 3600), (5, 5), ("2.5", 2.5)]
+)
+def test_parse_seconds(text, expected):
+    assert parse_seconds(text) == expected
+
+
+@pytest.mark.parametrize("text", ["soon", "-5s", 0, "10 days"])
+def test_parse_seconds_rejects(text):
+    with pytest.raises(ValueError, match="duration such as"):
+        parse_seconds(text)
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(None) == "-"

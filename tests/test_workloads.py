@@ -1,0 +1,104 @@
+"""Model families build for each dataset's shape; datasets load offline with a held-out split."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from harness.workloads import FAMILIES, build_model, load_dataset
+from harness.workloads.cifar10 import FOLDER, TEST_FILE, TRAIN_FILES
+from harness.workloads.tensors import DataInfo, batches
+
+
+def test_digits_loads_offline_with_a_held_out_split():
+    data = load_dataset("digits", {"test_fraction": 0.2}, seed=0)
+    assert len(data.train_x) + len(data.test_x) == 1797
+    assert len(data.test_x) == round(1797 * 0.2)
+    assert data.info == DataInfo((1, 8, 8), 10)
+    assert float(data.train_x.min()) >= 0.0 and float(data.train_x.max()) <= 1.0
+    assert set(data.train_y.unique().tolist()) == set(range(10))
+
+
+def test_split_is_seeded():
+    a = load_dataset("digits", {}, seed=3)
+    b = load_dataset("digits", {}, seed=3)
+    c = load_dataset("digits", {}, seed=4)
+    assert torch.equal(a.test_y, b.test_y)
+    assert not torch.equal(a.test_y, c.test_y)
+
+
+def test_synthetic_has_the_asked_shape():
+    data = load_dataset(
+        "synthetic", {"shape": [3, 16, 16], "num_classes": 5, "num_samples": 100}, seed=0
+    )
+    assert data.info == DataInfo((3, 16, 16), 5)
+    assert len(data.train_x) + len(data.test_x) == 100
+
+
+def _write_cifar_batch(path: Path, n: int, seed: int) -> tuple[np.ndarray, list[int]]:
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=n).tolist()
+    with path.open("wb") as handle:
+        pickle.dump(
+            {"batch_label": path.name, "labels": labels, "data": data, "filenames": []}, handle
+        )
+    return data, labels
+
+
+def test_cifar10_reads_the_on_disk_format(tmp_path: Path):
+    folder = tmp_path / FOLDER
+    folder.mkdir()
+    written = [_write_cifar_batch(folder / name, 4, seed) for seed, name in enumerate(TRAIN_FILES)]
+    test_pixels, test_labels = _write_cifar_batch(folder / TEST_FILE, 3, 99)
+    data = load_dataset("cifar10", {"data_dir": str(tmp_path), "download": False}, seed=0)
+    assert data.info == DataInfo((3, 32, 32), 10)
+    assert len(data.train_x) == 20 and len(data.test_x) == 3
+    assert data.train_y.tolist() == [label for _, labels in written for label in labels]
+    assert data.test_y.tolist() == test_labels
+    # Pixel layout: row-major 3x32x32 per image, channel first, then normalised per channel.
+    raw = torch.as_tensor(test_pixels[1].reshape(3, 32, 32), dtype=torch.float32) / 255
+    mean = torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)
+    std = torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
+    assert torch.allclose(data.test_x[1], (raw - mean) / std)
+
+
+def test_cifar10_missing_without_download_says_what_to_do(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match=r"data\.download: true"):
+        load_dataset("cifar10", {"data_dir": str(tmp_path), "download": False}, seed=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("shape", [(1, 8, 8), (3, 32, 32)])
+def test_each_family_trains_one_step_on_each_image_shape(family, shape):
+    info = DataInfo(shape, 10)
+    model = build_model(family, {}, info)
+    x = torch.randn(4, *shape)
+    logits = model(x)
+    assert logits.shape == (4, 10)
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_size_knobs_change_the_model():
+    info = DataInfo((1, 8, 8), 10)
+    small = sum(p.numel() for p in build_model("cnn", {"width": 8}, info).parameters())
+    large = sum(p.numel() for p in build_model("cnn", {"width": 32}, info).parameters())
+    assert large > 4 * small
+    deeper = build_model("resnet", {"depth": 34}, info)
+    assert sum(p.numel() for p in deeper.parameters()) > sum(
+        p.numel() for p in build_model("resnet", {"depth": 18}, info).parameters()
+    )
+
+
+def test_batches_cover_each_epoch_without_repeats():
+    x = torch.arange(10).float().unsqueeze(1)
+    y = torch.arange(10)
+    stream = batches(x, y, batch_size=3, seed=0)
+    epoch = [next(stream)[1] for _ in range(3)]  # 3 full batches; the ragged 1 is dropped
+    seen = torch.cat(epoch).tolist()
+    assert len(seen) == len(set(seen)) == 9
