@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,13 @@ from harness.units import format_bytes
 
 FORMATS = ("table", "csv", "parquet", "json")
 SUMMARY_COLUMNS = ("model_size", "batch_size", "dtype", "strategy")
+
+
+def make_console() -> Console:
+    """Rich wraps at 80 columns when output is not a terminal (CI logs, pipes); give it room."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console()
+    return Console(width=140)
 
 
 class SpecAwareGroup(click.Group):
@@ -56,7 +64,7 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool) -> None:
     Running the same SPEC again resumes: recorded trials are kept and not re-run.
     """
     spec = load_spec(spec_path)
-    console = Console()
+    console = make_console()
     if dry_run:
         for index, point in enumerate(spec.points(), start=1):
             config = spec.trial_config(point)
@@ -98,9 +106,9 @@ def print_summary(console: Console, experiment: str, tracking_uri: str, parent_r
         ):
             table.add_column(column, no_wrap=True)
         picks = [
-            ("lowest memory", ok.nsmallest(2, "peak_allocated_bytes")),
-            ("highest throughput", ok.nlargest(2, "throughput")),
-            ("highest accuracy", ok.nlargest(2, "accuracy")),
+            ("least memory", ok.nsmallest(2, "peak_allocated_bytes")),
+            ("most samples/s", ok.nlargest(2, "throughput")),
+            ("best accuracy", ok.nlargest(2, "accuracy")),
         ]
         for label, rows in picks:
             for _, row in rows.iterrows():

@@ -31,10 +31,19 @@ ID_COLUMNS = [
     "world_size",
     "seed",
 ]
-INT_PARAMS = {"batch_size", "world_size", "seed", "warmup_steps", "memory_steps", "timed_steps"}
+INT_PARAMS = {
+    "batch_size",
+    "world_size",
+    "seed",
+    "warmup_steps",
+    "memory_steps",
+    "timed_steps",
+    "torch_threads",
+}
 FLOAT_PARAMS = {"lr", "weight_decay", "momentum", "device_memory_bytes"}
 BOOL_PARAMS = {"foreach"}
 TAG_COLUMNS = (
+    "torch_threads",
     "trial_key",
     "status",
     "failure_reason",

@@ -77,6 +77,7 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
         tracker.client.log_artifact(parent, spec._source, artifact_path="spec")
 
     points = spec.points()
+    tracker.discard_unfinished_trials(parent)  # each also left a stale study trial, counted above
     recorded = tracker.recorded_trials(parent)
     planned = [(point, spec.trial_config(point)) for point in points]
     pending = [(point, config) for point, config in planned if config.trial_key not in recorded]

@@ -138,12 +138,31 @@ class Tracker:
         self._log(run_id, metrics=metrics)
         self.client.set_terminated(run_id, status=status)
 
-    def recorded_trials(self, parent_run_id: str) -> dict[str, str]:
-        """``trial_key -> status`` of the trials recorded under this sweep (never run again)."""
-        runs = self.search(
-            f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}'"
+    def trial_runs(self, parent_run_id: str) -> list[Any]:
+        return list(
+            self.search(
+                f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}'"
+            )
         )
-        return {run.data.tags.get("trial_key", ""): run.data.tags.get("status", "") for run in runs}
+
+    def recorded_trials(self, parent_run_id: str) -> dict[str, str]:
+        """``trial_key -> status`` of the trials fully recorded under this sweep (never run again).
+
+        A trial's run is terminated as the last step of recording it, so a run still RUNNING was
+        cut off mid-write by a killed sweep and does not count.
+        """
+        return {
+            run.data.tags.get("trial_key", ""): run.data.tags.get("status", "")
+            for run in self.trial_runs(parent_run_id)
+            if run.info.status != "RUNNING"
+        }
+
+    def discard_unfinished_trials(self, parent_run_id: str) -> int:
+        """Delete half-written trial runs a killed sweep left behind; their trials run again."""
+        unfinished = [run for run in self.trial_runs(parent_run_id) if run.info.status == "RUNNING"]
+        for run in unfinished:
+            self.client.delete_run(run.info.run_id)
+        return len(unfinished)
 
     def search(self, filter_string: str) -> Iterable[Any]:
         token = None
@@ -180,6 +199,7 @@ class Tracker:
             "torch_version": info.get("torch_version", ""),
             "device_name": info.get("device_name", ""),
             "throughput_unit": info.get("throughput_unit", "samples/s"),
+            "torch_threads": str(info.get("torch_threads", "")),
         }
         if self.commit:
             tags["git_commit"] = self.commit

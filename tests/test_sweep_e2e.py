@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import shutil
 import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
 
 from harness.results import load
@@ -152,3 +158,58 @@ def test_rerun_resumes_without_repeating_or_duplicating(faults_sweep):
     every = load("faults", f"sqlite:///{folder}/results/mlflow.db", sweep="all")
     assert len(every) == 10 and every["sweep_run_id"].nunique() == 2
     assert len(load("faults", f"sqlite:///{folder}/results/mlflow.db")) == 5  # latest sweep only
+
+
+def _recorded_trials(db: Path) -> int:
+    if not db.exists():
+        return 0
+    try:
+        with sqlite3.connect(db) as conn:
+            return conn.execute(
+                "select count(*) from tags where key='mlflow.parentRunId'"
+            ).fetchone()[0]
+    except sqlite3.OperationalError:  # tables not created yet
+        return 0
+
+
+def _trial_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if "harness.trial" in cmdline and marker in cmdline:
+            found.append(process)
+    return found
+
+
+def test_kill_9_then_rerun_finishes_without_repeats(tmp_path, base_spec):
+    base_spec["name"] = "killed"
+    base_spec["grid"]["batch_size"] = [16, 32, 64]
+    spec_path = write_spec(tmp_path, base_spec)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "harness", "sweep", str(spec_path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    db = tmp_path / "results" / "mlflow.db"
+    deadline = time.monotonic() + 300
+    while _recorded_trials(db) < 1 and time.monotonic() < deadline and sweep.poll() is None:
+        time.sleep(0.2)
+    assert _recorded_trials(db) >= 1, "the first trial was never recorded"
+    sweep.kill()  # SIGKILL: no cleanup code runs in the sweep
+    sweep.wait()
+    # The orphaned trial notices its sweep is gone and stops by itself.
+    deadline = time.monotonic() + 15
+    while _trial_processes(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _trial_processes(str(tmp_path))
+
+    again = run_cli("sweep", str(spec_path), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "Resuming sweep" in again.stdout
+    frame = load("killed", f"sqlite:///{db}")
+    assert len(frame) == 3 and frame["trial_key"].is_unique
+    assert (frame["status"] == "ok").all()
+    assert frame["batch_size"].tolist() == [16, 32, 64]

@@ -8,7 +8,10 @@ killed by a signal writes nothing, and the launcher records that as ``crash`` to
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -22,11 +25,29 @@ def write_result(path: Path, result: dict) -> None:
     tmp.replace(path)  # atomic: the launcher never reads half a file
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Stop when the launching sweep dies (e.g. ``kill -9``) instead of computing for no one.
+
+    The trial leads its own process session (so a timeout can kill its whole tree), which also
+    means no signal reaches it when the sweep dies; a once-a-second check of the parent does.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m harness.trial CONFIG.json RESULT.json", file=sys.stderr)
         return 2
     config_path, result_path = Path(argv[0]), Path(argv[1])
+    exit_with_parent()
     config = TrialConfig.from_json(config_path.read_text())
     try:
         from harness.trial.loop import run_trial

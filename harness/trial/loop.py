@@ -70,7 +70,11 @@ class Trial:
     def run(self) -> None:
         cfg = self.config
         self.device = device = resolve_device(cfg.device)
-        self.info.update(device=str(device), device_name=device_name(device))
+        self.info.update(
+            device=str(device),
+            device_name=device_name(device),
+            torch_threads=torch.get_num_threads(),
+        )
         emulate_card(device, cfg.device_memory_bytes)
         seed_everything(cfg.seed)
 
