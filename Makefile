@@ -9,7 +9,9 @@ SPEC   ?= experiments/default.yaml
 # a GPU user may install any torch>=2.4 instead.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install sweep test test-fast lint ui clean
+FORMAT ?= table
+
+.PHONY: install sweep results test test-fast lint ui clean
 
 install: $(STAMP)
 
@@ -22,6 +24,9 @@ $(STAMP): pyproject.toml
 
 sweep: $(STAMP)
 	$(BIN)/harness sweep $(SPEC)
+
+results: $(STAMP)
+	$(BIN)/harness results --format $(FORMAT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
