@@ -27,6 +27,14 @@ METRICS: dict[str, str] = {
     "epochs": "epochs trained (train_steps / steps per epoch)",
     "epoch_time_s": "wall time of one epoch including moving batches to the device, "
     "from the untimed training steps",
+    # Recorded by particular strategies only.
+    "sparsity": "prune: fraction of prunable weights that are zero after training",
+    "float_linear_weight_bytes": "quantize_int8: bytes of the trained model's Linear weights",
+    "int8_linear_weight_bytes": "quantize_int8: bytes of the same weights after int8 quantization",
+    "float_peak_inference_bytes": "quantize_int8: peak memory of held-out inference, float model on CPU",
+    "int8_peak_inference_bytes": "quantize_int8: peak memory of held-out inference, int8 model on CPU",
+    "int8_accuracy": "quantize_int8: held-out accuracy of the int8 model",
+    "compile_time_s": "compile: seconds the first (compiling) training step took",
 }
 
 # Which way is better, for summaries and objectives that do not say.

@@ -33,7 +33,7 @@ from harness import strategies
 from harness.metrics import METRICS
 from harness.trial.config import TrialConfig
 from harness.units import parse_bytes, parse_seconds
-from harness.workloads import DATASETS, FAMILIES, is_user_family
+from harness.workloads import DATASETS, FAMILIES, Family, is_user_family, resolve_knobs
 
 DTYPES = ("fp32", "bf16", "fp16")
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -82,27 +82,47 @@ class ModelSpec(Strict):
     @model_validator(mode="after")
     def known_knobs(self) -> ModelSpec:
         family = FAMILIES.get(self.family)
+        if family is None:
+            return self  # user code receives its knobs as keyword arguments, unchecked
         for size, knobs in self.sizes.items():
             if not NAME_RE.match(size):
                 raise FieldProblem(["sizes", size], "size names use letters, digits, '_', '-', '.'")
             for knob, value in knobs.items():
-                where = ["sizes", size, knob]
-                if family is not None and knob not in family.knob_names:
+                check_knob(family, ["sizes", size, knob], knob, value)
+            resolved = resolve_knobs(self.family, knobs)
+            for multiple, of in family.divisible:
+                if resolved[multiple] % resolved[of]:
                     raise FieldProblem(
-                        where,
-                        f"unknown knob {knob!r} for family {self.family} "
-                        f"(allowed: {', '.join(family.knob_names)}){did_you_mean(knob, family.knob_names)}",
-                    )
-                if family is None:
-                    continue  # user code receives its knobs as keyword arguments, unchecked
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise FieldProblem(where, f"must be a positive integer (got {value!r})")
-                choices = next(k.choices for k in family.knobs if k.name == knob)
-                if choices and value not in choices:
-                    raise FieldProblem(
-                        where, f"must be one of {', '.join(map(str, choices))} (got {value!r})"
+                        ["sizes", size, multiple],
+                        f"{multiple} {resolved[multiple]} must be a multiple of {of} {resolved[of]}",
                     )
         return self
+
+
+def check_knob(family: Family, where: list[str | int], knob: str, value: Any) -> None:
+    if knob == "preset" and family.presets:
+        if value not in family.presets:
+            raise FieldProblem(
+                where,
+                f"unknown preset {value!r} for family {family.name} "
+                f"(allowed: {', '.join(family.presets)}){did_you_mean(str(value), family.presets)}",
+            )
+        return
+    if knob not in family.knob_names:
+        allowed = family.knob_names + (["preset"] if family.presets else [])
+        raise FieldProblem(
+            where,
+            f"unknown knob {knob!r} for family {family.name} "
+            f"(allowed: {', '.join(allowed)}){did_you_mean(knob, allowed)}",
+        )
+    spec = next(k for k in family.knobs if k.name == knob)
+    if isinstance(value, bool) or not isinstance(value, int) or value < spec.minimum:
+        kind = "a positive integer" if spec.minimum == 1 else f"an integer >= {spec.minimum}"
+        raise FieldProblem(where, f"must be {kind} (got {value!r})")
+    if spec.choices and value not in spec.choices:
+        raise FieldProblem(
+            where, f"must be one of {', '.join(map(str, spec.choices))} (got {value!r})"
+        )
 
 
 class DataSpec(Strict):
@@ -301,6 +321,30 @@ class Spec(Strict):
             raise ValueError("must be auto, cpu, cuda or cuda:N")
         return device
 
+    @model_validator(mode="after")
+    def axes_fit_together(self) -> Spec:
+        family = FAMILIES.get(self.model.family)
+        if family is not None and self.data.dataset not in family.datasets:
+            raise FieldProblem(
+                ["data", "dataset"],
+                f"model family {family.name} trains on {' or '.join(family.datasets)}, "
+                f"not {self.data.dataset!r}",
+            )
+        for index, entry in enumerate(self.grid.strategy):
+            terms = entry.split("+")
+            device = self.device
+            if device == "auto" and any(
+                strategies.STRATEGIES[strategies.parse_term(t)[0]].devices != strategies.ALL_DEVICES
+                for t in terms
+            ):
+                device = local_device()
+            for dtype, batch_size in itertools.product(self.grid.dtype, self.grid.batch_size):
+                try:
+                    strategies.check_context(terms, dtype, self.model.family, device, batch_size)
+                except ValueError as error:
+                    raise FieldProblem(["grid", "strategy", index], str(error)) from None
+        return self
+
     @property
     def experiment(self) -> str:
         return self.tracking.experiment or self.name
@@ -354,6 +398,13 @@ class Spec(Strict):
         """Identifies the set of trials: the same spec resumes its sweep, a changed grid starts anew."""
         keys = sorted(config.trial_key for config in self.trials())
         return hashlib.sha256("\n".join(keys).encode()).hexdigest()[:10]
+
+
+def local_device() -> str:
+    """What ``device: auto`` means on this machine (imports torch: only asked when it matters)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ---- loading with one-line errors ----------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from harness.strategies import world_size
 from harness.trial.config import TrialConfig
 
 ROLE_TAG = "harness_role"
@@ -74,7 +75,7 @@ def trial_params(config: TrialConfig, result: dict[str, Any]) -> dict[str, str]:
         "foreach": config.optimizer.get("foreach", False),
         "dataset": config.dataset,
         "device": result.get("info", {}).get("device", config.device),
-        "world_size": 1,
+        "world_size": world_size(config.strategy),
         "seed": config.seed,
         "budget": ",".join(f"{k}={v}" for k, v in config.budget.items()),
         "warmup_steps": config.warmup_steps,

@@ -72,7 +72,10 @@ def test_cifar10_missing_without_download_says_what_to_do(tmp_path: Path):
         load_dataset("cifar10", {"data_dir": str(tmp_path), "download": False}, seed=0)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+IMAGE_FAMILIES = sorted(name for name, f in FAMILIES.items() if "digits" in f.datasets)
+
+
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
 @pytest.mark.parametrize("shape", [(1, 8, 8), (3, 32, 32)])
 def test_each_family_trains_one_step_on_each_image_shape(family, shape):
     info = DataInfo(shape, 10)
@@ -102,3 +105,39 @@ def test_batches_cover_each_epoch_without_repeats():
     epoch = [next(stream)[1] for _ in range(3)]  # 3 full batches; the ragged 1 is dropped
     seen = torch.cat(epoch).tolist()
     assert len(seen) == len(set(seen)) == 9
+
+
+def test_text_is_bytes_of_real_english_with_shifted_targets():
+    data = load_dataset("text", {"seq_len": 32, "test_fraction": 0.1}, seed=0)
+    assert data.info == DataInfo((32,), 256, 32)
+    assert torch.equal(data.train_x[0, 1:], data.train_y[0, :-1])
+    total = (len(data.train_x) + len(data.test_x)) * 32
+    assert 400_000 < total < 500_000
+    text = bytes(data.train_x[:20].flatten().tolist()).decode("utf-8", errors="replace")
+    assert " the " in text
+
+
+def test_gpt_predicts_every_next_token():
+    info = DataInfo((16,), 256, 16)
+    model = build_model("gpt", {"n_layer": 2, "d_model": 32, "n_head": 4, "seq_len": 16}, info)
+    logits = model(torch.randint(0, 256, (3, 16)))
+    assert logits.shape == (3, 16, 256)
+
+
+def test_gpt_tied_head_shares_the_embedding():
+    info = DataInfo((16,), 256, 16)
+    knobs = {"n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 16}
+    tied = build_model("gpt", {**knobs, "tied": 1}, info)
+    untied = build_model("gpt", {**knobs, "tied": 0}, info)
+    assert tied.head.weight is tied.tok_emb.weight
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(untied) - count(tied) == 256 * 32
+
+
+def test_gpt_presets_reach_billions_of_parameters():
+    from harness.workloads import resolve_knobs
+
+    knobs = resolve_knobs("gpt", {"preset": "7b"})
+    n, d = knobs["n_layer"], knobs["d_model"]
+    assert 12 * n * d * d > 6e9
+    assert resolve_knobs("gpt", {"preset": "tiny", "n_layer": 3})["n_layer"] == 3

@@ -51,7 +51,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class MemoryWindow:
-    """Context manager around the memory-measurement steps; call ``step_done()`` after each.
+    """Context manager around the memory-measurement steps; call ``step_done()`` after each
+    forward+backward (each micro-batch, under gradient accumulation).
 
     Must start after at least one optimizer step, so the optimizer's state already exists and
     its persistent bytes can be told apart from the step's temporaries (which ``MemTracker`` also
@@ -79,6 +80,7 @@ class MemoryWindow:
         return self
 
     def step_done(self) -> None:
+        """After each forward+backward: ``MemTracker`` refuses a second root forward otherwise."""
         self.tracker.reset_mod_stats()
 
     def __exit__(self, *exc: Any) -> None:

@@ -4,6 +4,8 @@ A spec names a strategy as ``name`` or ``name:arg`` (e.g. ``accumulate:4``); a g
 combine several (``[checkpoint, accumulate:4]``), written canonically as ``checkpoint+accumulate:4``.
 The registry is plain data (no torch import) so specs validate without loading model code.
 Adding a strategy: a module with a ``Strategy`` subclass plus one entry in ``STRATEGIES``.
+
+Mixed precision is not a strategy: it is the ``dtype`` axis (``bf16``/``fp16`` autocast).
 """
 
 from __future__ import annotations
@@ -11,28 +13,212 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+ALL_DEVICES = ("cpu", "cuda")
+
 
 @dataclass(frozen=True)
 class StrategyInfo:
     name: str
-    doc: str
+    doc: str  # what it does and the effect to expect (the README's strategy table)
     impl: str  # "module:Class"
     arg: str | None = None  # None: takes no argument; else what the argument means
     arg_type: type | None = None
+    arg_optional: bool = False
+    arg_max: float | None = None  # exclusive upper bound (fractions)
+    devices: tuple[str, ...] = ALL_DEVICES
+    group: str | None = None  # at most one strategy of a group per combination
+    families: tuple[str, ...] | None = None  # None: every family
+    bad_dtypes: tuple[str, ...] = ()  # dtype-axis values it cannot combine with
+    conflicts: tuple[str, ...] = ()
+    splits_batch: bool = False  # the argument must divide every batch size
+
+
+def _info(name: str, doc: str, module: str, cls: str, **kw: Any) -> StrategyInfo:
+    return StrategyInfo(name, doc, f"harness.strategies.{module}:{cls}", **kw)
 
 
 STRATEGIES: dict[str, StrategyInfo] = {
-    "none": StrategyInfo(
-        "none",
-        "plain training: the baseline every other strategy is compared with",
-        "harness.strategies.none:NoStrategy",
-    ),
+    info.name: info
+    for info in [
+        _info(
+            "none",
+            "plain training: the baseline every other strategy is compared with",
+            "none",
+            "NoStrategy",
+        ),
+        _info(
+            "checkpoint",
+            "activation recomputation: keep only block inputs, recompute the rest in backward "
+            "(transformer blocks, ResNet stages, MLP layers); `checkpoint:K` checkpoints segments of K "
+            "blocks (K = sqrt(n) is Chen et al.'s O(sqrt n)). Less activation memory, ~1/3 more compute",
+            "checkpoint",
+            "Checkpoint",
+            arg="blocks per segment",
+            arg_type=int,
+            arg_optional=True,
+        ),
+        _info(
+            "accumulate",
+            "gradient accumulation: each optimizer step runs K micro-batches of batch/K, same effective "
+            "batch; activation memory ~1/K, more steps of lower GPU utilisation",
+            "accumulate",
+            "Accumulate",
+            arg="micro-batches per step",
+            arg_type=int,
+            splits_batch=True,
+        ),
+        _info(
+            "bf16_params",
+            "parameters, gradients and optimizer state stored in bf16 (no fp32 master copy): halves "
+            "model-state memory; may cost accuracy",
+            "bf16_params",
+            "Bf16Params",
+            bad_dtypes=("fp16",),
+            conflicts=("quantize_int8",),
+        ),
+        _info(
+            "sgd",
+            "optimizer SGD without momentum: no optimizer state (0 B/param)",
+            "optimizers",
+            "Sgd",
+            group="optimizer",
+        ),
+        _info(
+            "sgd_momentum",
+            "optimizer SGD with momentum 0.9: one buffer (4 B/param in fp32)",
+            "optimizers",
+            "SgdMomentum",
+            group="optimizer",
+        ),
+        _info(
+            "adamw",
+            "optimizer AdamW: two moments (8 B/param in fp32), decoupled weight decay",
+            "optimizers",
+            "AdamW",
+            group="optimizer",
+        ),
+        _info(
+            "adafactor",
+            "optimizer Adafactor (torch.optim): factored second moment, row + column vectors per matrix "
+            "instead of a full copy: optimizer state far below Adam's",
+            "optimizers",
+            "Adafactor",
+            group="optimizer",
+        ),
+        _info(
+            "adam8bit",
+            "AdamW with 8-bit blockwise-quantized moments (torchao AdamW8bit): ~2 B/param of optimizer "
+            "state instead of 8",
+            "optimizers",
+            "Adam8bit",
+            group="optimizer",
+        ),
+        _info(
+            "prune",
+            "global magnitude pruning (torch.nn.utils.prune) of AMOUNT of all weights at initialisation, "
+            "masks kept through training; reports `sparsity`. Dense storage does NOT shrink: the masks "
+            "and original weights make it larger",
+            "pruning",
+            "MagnitudePrune",
+            arg="fraction pruned",
+            arg_type=float,
+            arg_max=1.0,
+        ),
+        _info(
+            "prune_structured",
+            "structured pruning: removes AMOUNT of the hidden neurons / conv channels / transformer MLP "
+            "units (lowest L2 norm) before training, so parameters, gradients, optimizer state and "
+            "activations really shrink",
+            "pruning",
+            "StructuredPrune",
+            arg="fraction removed",
+            arg_type=float,
+            arg_max=1.0,
+        ),
+        _info(
+            "quantize_int8",
+            "post-training dynamic int8 quantization of Linear layers (CPU inference); records the "
+            "int8 model's weight bytes, peak inference memory and accuracy beside the float model's",
+            "quantize",
+            "QuantizeInt8",
+        ),
+        _info(
+            "offload_activations",
+            "saved activations go to pinned CPU memory in forward and come back in backward "
+            "(torch.autograd.graph.save_on_cpu); less GPU memory, PCIe traffic. CUDA only",
+            "memory_management",
+            "OffloadActivations",
+            devices=("cuda",),
+        ),
+        _info(
+            "expandable_segments",
+            "CUDA caching allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF): less "
+            "fragmentation, visible in peak_reserved_bytes. CUDA only",
+            "memory_management",
+            "ExpandableSegments",
+            devices=("cuda",),
+        ),
+        _info(
+            "keep_grads",
+            "zero gradients in place (zero_grad(set_to_none=False)) instead of freeing them: the "
+            "gradients stay allocated through forward, so the peak can rise by the gradient bytes",
+            "memory_management",
+            "KeepGrads",
+        ),
+        _info(
+            "channels_last",
+            "NHWC memory format for conv models and their inputs: same bytes, often faster convs "
+            "on GPUs (tensor cores); little or no effect on CPU",
+            "memory_management",
+            "ChannelsLast",
+            families=("cnn", "resnet"),
+        ),
+        _info(
+            "compile",
+            "torch.compile (inductor): fused kernels, fewer intermediates; compile time recorded "
+            "apart as compile_time_s",
+            "compile",
+            "Compile",
+            conflicts=("ddp", "fsdp"),
+        ),
+        _info(
+            "ddp",
+            "DistributedDataParallel over N processes (torchrun; gloo on CPU, nccl on GPU): each rank "
+            "keeps a full replica and 1/N of each batch; peak = max over ranks, throughput = sum",
+            "parallel",
+            "Ddp",
+            arg="ranks",
+            arg_type=int,
+            group="parallel",
+            splits_batch=True,
+        ),
+        _info(
+            "fsdp",
+            "FSDP2 fully_shard over N processes (torchrun): parameters, gradients and optimizer state "
+            "sharded ~1/N per rank; peak = max over ranks, throughput = sum",
+            "parallel",
+            "Fsdp",
+            arg="ranks",
+            arg_type=int,
+            group="parallel",
+            splits_batch=True,
+        ),
+    ]
+}
+
+# Names people reach for that the spec says another way.
+ALIASES = {
+    "amp_bf16": "mixed precision is the dtype axis: use grid.dtype: [bf16]",
+    "amp_fp16": "mixed precision is the dtype axis: use grid.dtype: [fp16] (autocast + GradScaler)",
+    "amp": "mixed precision is the dtype axis: use grid.dtype: [bf16] or [fp16]",
 }
 
 
 def parse_term(term: str) -> tuple[str, str | None]:
     """Split ``name:arg`` and check it against the registry; raise ``ValueError`` when wrong."""
     name, sep, arg = str(term).strip().partition(":")
+    if name in ALIASES:
+        raise ValueError(f"{name!r} is not a strategy: {ALIASES[name]}")
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}")
     info = STRATEGIES[name]
@@ -40,28 +226,77 @@ def parse_term(term: str) -> tuple[str, str | None]:
         raise ValueError(f"strategy {name!r} takes no argument (got {term!r})")
     if info.arg is not None:
         if not sep or not arg:
+            if info.arg_optional:
+                return name, None
             raise ValueError(f"strategy {name!r} needs an argument: {name}:<{info.arg}>")
         if info.arg_type is not None:
             try:
                 value = info.arg_type(arg)
             except ValueError:
-                raise ValueError(f"strategy {name!r}: {arg!r} is not a valid {info.arg}") from None
-            if isinstance(value, int | float) and value <= 0:
-                raise ValueError(f"strategy {name!r}: {info.arg} must be positive (got {arg})")
+                kind = "an integer" if info.arg_type is int else "a number"
+                raise ValueError(
+                    f"strategy {name!r}: {info.arg} must be {kind} (got {arg!r})"
+                ) from None
+            if value <= 0 or (info.arg_max is not None and value >= info.arg_max):
+                bound = (
+                    f"between 0 and {info.arg_max:g} (exclusive)" if info.arg_max else "positive"
+                )
+                raise ValueError(f"strategy {name!r}: {info.arg} must be {bound} (got {arg})")
     return name, (arg if sep else None)
 
 
 def canonical(terms: list[str]) -> list[str]:
-    """Validate a combination; ``none`` only makes sense alone and a name may appear once."""
+    """Validate one combination of strategies; raise ``ValueError`` naming the clashing pair."""
     names = [parse_term(term)[0] for term in terms]
     if not names:
         raise ValueError("an empty strategy combination; use 'none' for plain training")
     if "none" in names and len(names) > 1:
         raise ValueError("'none' cannot be combined with other strategies")
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"strategy {duplicates[0]!r} appears twice in one combination")
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            if first == second:
+                raise ValueError(f"strategy {first!r} appears twice in one combination")
+            a, b = STRATEGIES[first], STRATEGIES[second]
+            if a.group is not None and a.group == b.group:
+                raise ValueError(
+                    f"{first!r} and {second!r} cannot be combined: both choose the {a.group}"
+                )
+            if second in a.conflicts or first in b.conflicts:
+                raise ValueError(f"{first!r} and {second!r} cannot be combined")
     return [str(term).strip() for term in terms]
+
+
+def check_context(terms: list[str], dtype: str, family: str, device: str, batch_size: int) -> None:
+    """Check a combination against the other axes of a grid point; ``ValueError`` if it clashes."""
+    splits = 1
+    for term in terms:
+        name, arg = parse_term(term)
+        info = STRATEGIES[name]
+        if info.splits_batch and arg is not None:
+            splits *= int(arg)
+            if batch_size % splits:
+                raise ValueError(
+                    f"{'+'.join(terms)} splits each batch {splits} ways: batch_size {batch_size} is not a multiple of {splits}"
+                )
+        if dtype in info.bad_dtypes:
+            raise ValueError(f"strategy {name!r} cannot be combined with dtype {dtype!r}")
+        if info.families is not None and family not in info.families:
+            raise ValueError(
+                f"strategy {name!r} only applies to model families {', '.join(info.families)} (not {family!r})"
+            )
+        if device != "auto" and device.split(":")[0] not in info.devices:
+            raise ValueError(
+                f"strategy {name!r} needs device {' or '.join(info.devices)}; this trial would run on {device!r}"
+            )
+
+
+def world_size(terms: list[str]) -> int:
+    """Processes a trial with these strategies runs on (``ddp:N`` / ``fsdp:N``), else 1."""
+    for term in terms:
+        name, arg = parse_term(term)
+        if STRATEGIES[name].group == "parallel" and arg is not None:
+            return int(arg)
+    return 1
 
 
 def build_strategies(terms: list[str]) -> list[Any]:

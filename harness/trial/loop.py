@@ -8,10 +8,12 @@ budget.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,12 +23,13 @@ from harness.meters.host import peak_rss_bytes
 from harness.meters.memory import MemoryWindow
 from harness.meters.timing import StepTimer, synchronize
 from harness.strategies import build_strategies
+from harness.strategies.base import TrialContext
 from harness.trial.config import TrialConfig
 from harness.trial.optim import build_optimizer
 from harness.trial.outcome import Status, TrialFailure
 from harness.trial.precision import Precision
 from harness.units import format_bytes
-from harness.workloads import build_model, load_dataset
+from harness.workloads import build_model, load_dataset, resolve_knobs
 from harness.workloads.tensors import SplitData, batches, steps_per_epoch
 
 EVAL_BATCH = 512
@@ -64,11 +67,16 @@ class Trial:
         self.loss_history: list[float] = []
         self.info: dict[str, Any] = {"torch_version": torch.__version__}
         self.steps_done = 0
+        # Called after each micro-batch's backward; the memory window resets per-module stats.
+        self.after_micro_batch: Callable[[], None] = lambda: None
 
     # ---- the phases -------------------------------------------------------------------------
 
     def run(self) -> None:
         cfg = self.config
+        self.strategies = strategies = build_strategies(cfg.strategy)
+        for strategy in strategies:  # allocator settings must precede the first CUDA call
+            os.environ.update(strategy.environment())
         self.device = device = resolve_device(cfg.device)
         self.info.update(
             device=str(device),
@@ -78,19 +86,35 @@ class Trial:
         emulate_card(device, cfg.device_memory_bytes)
         seed_everything(cfg.seed)
 
-        data = load_dataset(cfg.dataset, cfg.data_options, cfg.seed)
-        model = build_model(cfg.model_family, cfg.model_knobs, data.info, cfg.python_path)
-        strategies = build_strategies(cfg.strategy)
-        for strategy in strategies:
-            model = strategy.prepare_model(model)
-        self.model = model.to(device)
-        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        knobs = resolve_knobs(cfg.model_family, cfg.model_knobs)
+        data_options = dict(cfg.data_options)
+        if "seq_len" in knobs:  # a sequence model sets the length of its text windows
+            data_options.setdefault("seq_len", knobs["seq_len"])
+        data = load_dataset(cfg.dataset, data_options, cfg.seed)
         self.precision = Precision(cfg.dtype, device)
-        self.micro_batches = math.prod(s.micro_batches() for s in strategies)
-        self.metrics["num_params"] = float(
-            sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.ctx = ctx = TrialContext(device, cfg.dtype, cfg.model_family, data, cfg.batch_size)
+        ctx.evaluate = lambda model, on=device: evaluate(
+            model, data, on, self.precision, self.prepare_batch
         )
-        self.info["throughput_unit"] = "samples/s"
+        model = build_model(cfg.model_family, knobs, data.info, cfg.python_path).to(device)
+        for strategy in strategies:
+            model = strategy.prepare_model(model, ctx)
+        self.model = model
+        optimizer_spec = dict(cfg.optimizer)
+        for strategy in strategies:
+            optimizer_spec = strategy.optimizer(optimizer_spec, ctx)
+        self.optimizer = build_optimizer(
+            optimizer_spec, [p for p in model.parameters() if p.requires_grad]
+        )
+        self.micro_batches = math.prod(s.micro_batches() for s in strategies)
+        self.set_to_none = all(s.zero_grad_set_to_none() for s in strategies)
+        self.info["optimizer"] = optimizer_spec["name"]
+        self.metrics["num_params"] = float(
+            sum(p.numel() for p in model.parameters() if p.requires_grad)
+        )
+        tokens = data.info.tokens_per_sample
+        self.samples_per_step = cfg.batch_size * tokens
+        self.info["throughput_unit"] = "tokens/s" if tokens > 1 else "samples/s"
 
         per_epoch = steps_per_epoch(len(data.train_x), cfg.batch_size)
         budget_steps = cfg.budget.get("steps") or cfg.budget.get("epochs", 1) * per_epoch
@@ -102,7 +126,9 @@ class Trial:
         self.measure_memory(stream, cfg.memory_steps)
         self.measure_speed(stream, cfg.timed_steps)
         self.train_rest(stream, total_steps - measured, per_epoch)
-        self.evaluate(data)
+        self.metrics.update(evaluate(self.model, data, device, self.precision, self.prepare_batch))
+        for strategy in strategies:
+            self.metrics.update(strategy.after_training(self.model, ctx))
         window = self.loss_history[-per_epoch:]
         self.metrics["train_loss"] = sum(window) / len(window)
         self.metrics["train_steps"] = float(self.steps_done)
@@ -117,11 +143,11 @@ class Trial:
         window = MemoryWindow(
             self.device, self.model, self.optimizer, [t for b in staged for t in b]
         )
+        self.after_micro_batch = window.step_done
         with window:
             for batch in staged:
-                loss = self.train_step(*batch)
-                window.step_done()
-                self.record_loss(loss)
+                self.record_loss(self.train_step(*batch))
+        self.after_micro_batch = lambda: None
         del staged
         assert window.reading is not None
         self.metrics.update(window.reading.metrics())
@@ -138,7 +164,7 @@ class Trial:
         for x, y in staged:
             loss = timer.time(lambda x=x, y=y: self.train_step(x, y))
             self.record_loss(loss)
-        self.metrics.update(timer.metrics(self.config.batch_size))
+        self.metrics.update(timer.metrics(self.samples_per_step))
 
     def train_rest(self, stream: Iterator[Any], steps: int, per_epoch: int) -> None:
         if steps <= 0:
@@ -151,40 +177,34 @@ class Trial:
         elapsed = time.perf_counter() - start
         self.metrics["epoch_time_s"] = elapsed / steps * per_epoch
 
-    @torch.no_grad()
-    def evaluate(self, data: SplitData) -> None:
-        self.model.eval()
-        correct, loss_sum = 0, 0.0
-        for start in range(0, len(data.test_x), EVAL_BATCH):
-            x, y = self.to_device(
-                (data.test_x[start : start + EVAL_BATCH], data.test_y[start : start + EVAL_BATCH])
-            )
-            with self.precision.autocast():
-                logits = self.model(x)
-            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
-            correct += (logits.argmax(dim=1) == y).sum().item()
-        self.model.train()
-        self.metrics["accuracy"] = correct / len(data.test_x)
-        self.metrics["eval_loss"] = loss_sum / len(data.test_x)
-
     # ---- one step -----------------------------------------------------------------------------
+
+    def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
+        for strategy in self.strategies:
+            x = strategy.prepare_batch(x)
+        return x
 
     def to_device(
         self, batch: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x = x.to(self.device, non_blocking=True)
+        return self.prepare_batch(x), y.to(self.device, non_blocking=True)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
         total = torch.zeros((), device=self.device)
         for x_part, y_part in zip(
             x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True
         ):
-            with self.precision.autocast():
-                loss = F.cross_entropy(self.model(x_part), y_part) / self.micro_batches
-            self.precision.backward(loss)
-            total += loss.detach()
+            with contextlib.ExitStack() as stack:
+                for strategy in self.strategies:
+                    stack.enter_context(strategy.step_context())
+                with self.precision.autocast():
+                    loss = cross_entropy(self.model(x_part), y_part) / self.micro_batches
+                self.precision.backward(loss)
+            self.after_micro_batch()
+            total += loss.detach().float()
         self.precision.step(self.optimizer)
         return total
 
@@ -209,6 +229,37 @@ class Trial:
             "loss_history": self.loss_history,
             "info": self.info,
         }
+
+
+def cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
+    """Classification ([B, C] vs [B]) and next-token ([B, T, V] vs [B, T]) alike, in fp32."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    data: SplitData,
+    device: torch.device,
+    precision: Precision,
+    prepare_batch: Any = lambda x: x,
+) -> dict[str, float]:
+    """Held-out accuracy (per token for sequence models) and mean cross-entropy."""
+    was_training = model.training
+    model.eval()
+    correct, loss_sum, count = 0, 0.0, 0
+    for start in range(0, len(data.test_x), EVAL_BATCH):
+        x = prepare_batch(data.test_x[start : start + EVAL_BATCH].to(device))
+        y = data.test_y[start : start + EVAL_BATCH].to(device)
+        with precision.autocast():
+            logits = model(x)
+        loss_sum += cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(dim=-1) == y).sum().item()
+        count += y.numel()
+    model.train(was_training)
+    return {"accuracy": correct / count, "eval_loss": loss_sum / count}
 
 
 def device_name(device: torch.device) -> str:

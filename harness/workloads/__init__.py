@@ -15,11 +15,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Knob:
-    """One size knob of a model family: a positive integer, optionally from a fixed set."""
+    """One size knob of a model family: an integer >= ``minimum``, optionally from a fixed set."""
 
     name: str
     doc: str
     choices: tuple[int, ...] = ()
+    minimum: int = 1
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class Family:
     builder: str  # "module:function" taking (knobs..., data=DataInfo)
     knobs: tuple[Knob, ...]
     defaults: dict[str, int] = field(default_factory=dict)
+    # Named sizes: a spec size may say {preset: NAME} and override single knobs beside it.
+    presets: dict[str, dict[str, int]] = field(default_factory=dict)
+    datasets: tuple[str, ...] = ("digits", "cifar10", "synthetic")  # what it can train on
+    divisible: tuple[tuple[str, str], ...] = ()  # (a, b): knob a must be a multiple of knob b
 
     @property
     def knob_names(self) -> list[str]:
@@ -67,6 +72,36 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
+GPT_PRESETS: dict[str, dict[str, int]] = {
+    # Byte-level vocabulary (256): parameters are ~12 * n_layer * d_model^2 plus embeddings.
+    "tiny": {"n_layer": 2, "d_model": 64, "n_head": 2, "seq_len": 64},
+    "small": {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128},
+    "medium": {"n_layer": 8, "d_model": 256, "n_head": 8, "seq_len": 256},
+    "gpt2-124m": {"n_layer": 12, "d_model": 768, "n_head": 12, "seq_len": 1024},
+    "gpt2-350m": {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq_len": 1024},
+    "gpt2-774m": {"n_layer": 36, "d_model": 1280, "n_head": 20, "seq_len": 1024},
+    "gpt2-1.5b": {"n_layer": 48, "d_model": 1600, "n_head": 25, "seq_len": 1024},
+    "7b": {"n_layer": 32, "d_model": 4096, "n_head": 32, "seq_len": 2048},
+    "13b": {"n_layer": 40, "d_model": 5120, "n_head": 40, "seq_len": 2048},
+}
+FAMILIES["gpt"] = Family(
+    "gpt",
+    "decoder-only transformer: token + position embeddings, n_layer pre-norm blocks of causal "
+    "self-attention + 4*d_model GELU MLP, final LayerNorm, head tied to the token embedding or not",
+    "harness.workloads.gpt:build",
+    (
+        Knob("n_layer", "transformer blocks"),
+        Knob("d_model", "hidden size (divisible by n_head)"),
+        Knob("n_head", "attention heads"),
+        Knob("seq_len", "tokens per sample (also the text dataset's window)"),
+        Knob("tied", "1: the output head shares the token embedding; 0: its own matrix", (0, 1), 0),
+    ),
+    {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128, "tied": 1},
+    GPT_PRESETS,
+    datasets=("text",),
+    divisible=(("d_model", "n_head"),),
+)
+
 DATASETS: dict[str, DatasetInfo] = {
     "digits": DatasetInfo(
         "digits",
@@ -86,6 +121,13 @@ DATASETS: dict[str, DatasetInfo] = {
         "random tensors of a given shape and class count, for pure memory/speed runs",
         "harness.workloads.synthetic:load",
         ("shape", "num_classes", "num_samples", "test_fraction"),
+    ),
+    "text": DatasetInfo(
+        "text",
+        "byte-level tokens of Python's bundled pydoc_data topics (about 466 KB of English); "
+        "windows of seq_len + 1 bytes, the last test_fraction of the text held out; offline",
+        "harness.workloads.text:load",
+        ("test_fraction",),
     ),
 }
 
@@ -109,6 +151,16 @@ def resolve(path: str, python_path: list[str] | None = None) -> Any:
         raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from None
 
 
+def resolve_knobs(family: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """The family's defaults, then the named preset (if any), then the knobs given explicitly."""
+    if family not in FAMILIES:
+        return dict(knobs)  # user code: passed through as given
+    known = FAMILIES[family]
+    given = dict(knobs)
+    preset = known.presets.get(given.pop("preset", None) or "", {})
+    return {**known.defaults, **preset, **given}
+
+
 def build_model(
     family: str, knobs: dict[str, Any], data: Any, python_path: list[str] | None = None
 ) -> Any:
@@ -118,7 +170,7 @@ def build_model(
     """
     if family in FAMILIES:
         builder = resolve(FAMILIES[family].builder)
-        return builder(data, **{**FAMILIES[family].defaults, **knobs})
+        return builder(data, **resolve_knobs(family, knobs))
     if is_user_family(family):
         return resolve(family, python_path)(data=data, **knobs)
     raise ValueError(f"unknown model family {family!r}")

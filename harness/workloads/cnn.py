@@ -1,4 +1,7 @@
-"""The seed article's CNN: conv-ReLU-maxpool twice, then a linear head. Size knob: ``width``."""
+"""The seed article's CNN: conv-ReLU-maxpool twice, then a linear head. Size knob: ``width``.
+
+Each conv-ReLU-maxpool is one entry of ``blocks`` (what checkpointing and pruning work on).
+"""
 
 from __future__ import annotations
 
@@ -10,18 +13,22 @@ from harness.workloads.tensors import DataInfo
 class SmallCNN(nn.Module):
     def __init__(self, in_channels: int, height: int, width_px: int, num_classes: int, width: int):
         super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, kernel_size=3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, kernel_size=3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(
+                    nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)
+                ),
+                nn.Sequential(
+                    nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)
+                ),
+            ]
         )
         self.head = nn.Linear(2 * width * (height // 4) * (width_px // 4), num_classes)
 
     def forward(self, x):
-        return self.head(self.features(x).flatten(1))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.flatten(1))
 
 
 def build(data: DataInfo, width: int = 16) -> nn.Module:

@@ -16,8 +16,9 @@ import torch
 class DataInfo:
     """What a model builder needs to know about the data."""
 
-    input_shape: tuple[int, ...]  # per sample, e.g. (1, 8, 8)
-    num_classes: int
+    input_shape: tuple[int, ...]  # per sample, e.g. (1, 8, 8); (seq_len,) for token ids
+    num_classes: int  # classes, or the vocabulary size for next-token prediction
+    tokens_per_sample: int = 1  # > 1: one label per token, throughput in tokens/s
 
 
 @dataclass
@@ -30,7 +31,8 @@ class SplitData:
 
     @property
     def info(self) -> DataInfo:
-        return DataInfo(tuple(self.train_x.shape[1:]), self.num_classes)
+        per_sample = self.train_y[0].numel() if self.train_y.dim() > 1 else 1
+        return DataInfo(tuple(self.train_x.shape[1:]), self.num_classes, per_sample)
 
     def to(self, device: torch.device) -> SplitData:
         return SplitData(

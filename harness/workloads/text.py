@@ -1,0 +1,43 @@
+"""Byte-level language-modelling data from Python's own bundled documentation text.
+
+``pydoc_data.topics`` ships with every CPython: ~466 KB of real English (with code samples), so
+language-model trials run offline. Tokens are UTF-8 bytes (vocabulary 256). The text is cut into
+non-overlapping windows of ``seq_len + 1`` bytes: inputs are the first ``seq_len``, targets the
+same shifted by one. The last ``test_fraction`` of the text is held out, contiguous, so no
+held-out window overlaps training text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harness.workloads.tensors import SplitData
+
+VOCAB = 256
+
+
+def corpus_bytes() -> bytes:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+
+
+def windows(tokens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    count = (len(tokens) - 1) // seq_len
+    if count < 1:
+        raise ValueError(f"text too short for seq_len {seq_len}")
+    usable = tokens[: count * seq_len + 1]
+    x = usable[:-1].reshape(count, seq_len)
+    y = usable[1:].reshape(count, seq_len)
+    return x, y
+
+
+def load(options: dict[str, Any], seed: int) -> SplitData:
+    seq_len = int(options.get("seq_len") or 128)
+    tokens = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    cut = int(len(tokens) * (1 - options.get("test_fraction", 0.2)))
+    train_x, train_y = windows(tokens[:cut], seq_len)
+    test_x, test_y = windows(tokens[cut:], seq_len)
+    return SplitData(train_x, train_y, test_x, test_y, VOCAB)
