@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.strategies import world_size
 from harness.trial.config import TrialConfig
 from harness.trial.outcome import Status
 from harness.units import format_bytes
@@ -72,6 +73,9 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[s
     result_path.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "harness.trial", str(config_path), str(result_path)]
+    ranks = world_size(config.strategy)
+    if ranks > 1:  # torchrun starts the ranks; if one dies it stops the others
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     started = time.monotonic()
     with log_path.open("wb") as log:
         process = subprocess.Popen(

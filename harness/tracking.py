@@ -68,7 +68,7 @@ def trial_params(config: TrialConfig, result: dict[str, Any]) -> dict[str, str]:
         "batch_size": config.batch_size,
         "dtype": config.dtype,
         "strategy": config.strategy_text,
-        "optimizer": config.optimizer["name"],
+        "optimizer": result.get("info", {}).get("optimizer", config.optimizer["name"]),
         "lr": config.optimizer["lr"],
         "weight_decay": config.optimizer.get("weight_decay", 0.0),
         "momentum": config.optimizer.get("momentum", 0.0),
@@ -191,16 +191,14 @@ class Tracker:
         run_name: str,
     ) -> str:
         info = result.get("info", {})
-        tags = {
+        # Everything the trial reported about itself (device, threads, strategy notes) as tags.
+        tags = {key: str(value) for key, value in info.items()}
+        tags |= {
             ROLE_TAG: TRIAL_ROLE,
             PARENT_TAG: parent_run_id,
             "trial_key": config.trial_key,
             "status": result["status"],
             "failure_reason": result.get("failure_reason", ""),
-            "torch_version": info.get("torch_version", ""),
-            "device_name": info.get("device_name", ""),
-            "throughput_unit": info.get("throughput_unit", "samples/s"),
-            "torch_threads": str(info.get("torch_threads", "")),
         }
         if self.commit:
             tags["git_commit"] = self.commit

@@ -205,3 +205,13 @@ def test_sweep_with_bad_spec_runs_and_records_nothing(tmp_path, base_spec):
     assert done.returncode == 2
     assert "grid.batch_size[0]" in done.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_readme_documents_every_strategy_family_dataset_and_metric():
+    from harness.metrics import METRICS
+    from harness.strategies import STRATEGIES
+    from harness.workloads import DATASETS, FAMILIES
+
+    readme = (REPO / "README.md").read_text()
+    for name in [*STRATEGIES, *FAMILIES, *DATASETS, *METRICS]:
+        assert f"| `{name}" in readme, f"README has no table row for {name}"

@@ -45,6 +45,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
+                if hasattr(value, "to_local"):  # a sharded DTensor (FSDP): this rank's shard
+                    value = value.to_local()
                 storage = value.untyped_storage()
                 seen[storage.data_ptr() or id(storage)] = storage_bytes(value)
     return sum(seen.values())

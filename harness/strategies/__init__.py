@@ -134,6 +134,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             arg="fraction removed",
             arg_type=float,
             arg_max=1.0,
+            families=("mlp", "cnn", "gpt"),
         ),
         _info(
             "quantize_int8",
@@ -141,6 +142,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "int8 model's weight bytes, peak inference memory and accuracy beside the float model's",
             "quantize",
             "QuantizeInt8",
+            conflicts=("fsdp",),
         ),
         _info(
             "offload_activations",

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from harness.trial.config import TrialConfig
+from harness.trial.distributed import Ranks
 from harness.trial.outcome import Status
 
 
@@ -64,9 +65,11 @@ def main(argv: list[str]) -> int:
             "loss_history": [],
             "info": {},
         }
-        write_result(result_path, result)
+        if Ranks.from_env().is_writer:
+            write_result(result_path, result)
         return 1
-    write_result(result_path, result)
+    if Ranks.from_env().is_writer:  # one result per trial, however many ranks ran it
+        write_result(result_path, result)
     print(f"trial {config.trial_key}: {result['status']} {result['failure_reason']}".rstrip())
     return 0
 

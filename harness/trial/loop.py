@@ -25,6 +25,7 @@ from harness.meters.timing import StepTimer, synchronize
 from harness.strategies import build_strategies
 from harness.strategies.base import TrialContext
 from harness.trial.config import TrialConfig
+from harness.trial.distributed import Ranks
 from harness.trial.optim import build_optimizer
 from harness.trial.outcome import Status, TrialFailure
 from harness.trial.precision import Precision
@@ -77,7 +78,8 @@ class Trial:
         self.strategies = strategies = build_strategies(cfg.strategy)
         for strategy in strategies:  # allocator settings must precede the first CUDA call
             os.environ.update(strategy.environment())
-        self.device = device = resolve_device(cfg.device)
+        self.ranks = ranks = Ranks.from_env()
+        self.device = device = ranks.start(resolve_device(cfg.device))
         self.info.update(
             device=str(device),
             device_name=device_name(device),
@@ -99,6 +101,7 @@ class Trial:
         model = build_model(cfg.model_family, knobs, data.info, cfg.python_path).to(device)
         for strategy in strategies:
             model = strategy.prepare_model(model, ctx)
+        self.info.update(ctx.notes)  # what strategies did (segments, pruned parameters, ...)
         self.model = model
         optimizer_spec = dict(cfg.optimizer)
         for strategy in strategies:
@@ -113,7 +116,8 @@ class Trial:
             sum(p.numel() for p in model.parameters() if p.requires_grad)
         )
         tokens = data.info.tokens_per_sample
-        self.samples_per_step = cfg.batch_size * tokens
+        self.samples_per_step = cfg.batch_size // ranks.size * tokens  # this rank's share
+        self.info["world_size"] = ranks.size
         self.info["throughput_unit"] = "tokens/s" if tokens > 1 else "samples/s"
 
         per_epoch = steps_per_epoch(len(data.train_x), cfg.batch_size)
@@ -126,6 +130,8 @@ class Trial:
         self.measure_memory(stream, cfg.memory_steps)
         self.measure_speed(stream, cfg.timed_steps)
         self.train_rest(stream, total_steps - measured, per_epoch)
+        # Every rank evaluates the whole held-out split (sharded models need all ranks in
+        # each forward); the results agree, rank 0 reports them.
         self.metrics.update(evaluate(self.model, data, device, self.precision, self.prepare_batch))
         for strategy in strategies:
             self.metrics.update(strategy.after_training(self.model, ctx))
@@ -150,8 +156,9 @@ class Trial:
         self.after_micro_batch = lambda: None
         del staged
         assert window.reading is not None
-        self.metrics.update(window.reading.metrics())
-        peak, budget = window.reading.peak_allocated_bytes, self.config.device_memory_bytes
+        reading = self.ranks.worst_memory(window.reading.metrics())
+        self.metrics.update(reading)
+        peak, budget = reading["peak_allocated_bytes"], self.config.device_memory_bytes
         if budget is not None and peak > budget:
             raise TrialFailure(
                 Status.OOM,
@@ -164,7 +171,7 @@ class Trial:
         for x, y in staged:
             loss = timer.time(lambda x=x, y=y: self.train_step(x, y))
             self.record_loss(loss)
-        self.metrics.update(timer.metrics(self.samples_per_step))
+        self.metrics.update(self.ranks.combined_speed(timer.metrics(self.samples_per_step)))
 
     def train_rest(self, stream: Iterator[Any], steps: int, per_epoch: int) -> None:
         if steps <= 0:
@@ -174,7 +181,7 @@ class Trial:
         for _ in range(steps):
             self.record_loss(self.train_step(*self.to_device(next(stream))))
         synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        elapsed = self.ranks.maximum(time.perf_counter() - start)
         self.metrics["epoch_time_s"] = elapsed / steps * per_epoch
 
     # ---- one step -----------------------------------------------------------------------------
@@ -187,9 +194,8 @@ class Trial:
     def to_device(
         self, batch: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = batch
-        x = x.to(self.device, non_blocking=True)
-        return self.prepare_batch(x), y.to(self.device, non_blocking=True)
+        x, y = (self.ranks.shard(t).to(self.device, non_blocking=True) for t in batch)
+        return self.prepare_batch(x), y
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=self.set_to_none)
@@ -209,7 +215,7 @@ class Trial:
         return total
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        value = loss.item()
+        value = self.ranks.mean(loss.item())
         self.steps_done += 1
         self.loss_history.append(value)
         if not math.isfinite(value):
@@ -220,7 +226,12 @@ class Trial:
     # ---- the result ---------------------------------------------------------------------------
 
     def result(self, status: Status, reason: str = "") -> dict[str, Any]:
-        self.metrics["peak_rss_bytes"] = float(peak_rss_bytes())
+        rss = peak_rss_bytes()
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:  # the worst rank's host memory; then leave the process group
+            rss = ranks.maximum(rss)
+            ranks.stop()
+        self.metrics["peak_rss_bytes"] = float(rss)
         return {
             "trial_key": self.config.trial_key,
             "status": status.value,

@@ -1,0 +1,59 @@
+"""``ddp:N`` and ``fsdp:N``: data-parallel training over N processes started by torchrun.
+
+The launcher starts N ranks and the loop gives each its 1/N of every global batch (so the
+effective batch is the spec's ``batch_size``); these strategies only wrap the model.
+
+- DDP keeps a full replica of parameters, gradients and optimizer state on every rank and
+  all-reduces gradients in backward.
+- FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state over the ranks and
+  all-gathers one block's parameters at a time, so model state per rank falls to ~1/N plus one
+  unsharded block in flight.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from harness.strategies.base import Strategy, TrialContext
+from harness.strategies.checkpoint import block_sites
+
+
+def _require_group(name: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"{name} needs the trial to run under torchrun (the launcher does this)")
+
+
+class Ddp(Strategy):
+    name = "ddp"
+
+    def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        _require_group("ddp")
+        if ctx.device.type == "cuda":
+            return DistributedDataParallel(model, device_ids=[ctx.device.index])
+        return DistributedDataParallel(model)
+
+
+class Fsdp(Strategy):
+    name = "fsdp"
+
+    def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        _require_group("fsdp")
+        mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
+        try:
+            sites = block_sites(model)
+        except ValueError:
+            sites = []  # no repeated blocks: shard the model as one unit
+        for container, key in sites:
+            block = container[key] if isinstance(key, int) else getattr(container, key)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ctx.notes["fsdp_units"] = len(sites) + 1
+        return model
