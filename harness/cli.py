@@ -94,6 +94,7 @@ def print_summary(console: Console, experiment: str, tracking_uri: str, parent_r
     ok = frame[frame["status"] == "ok"]
     if not ok.empty:
         table = Table(title="Best configurations (ok trials)")
+        unit = ok["throughput_unit"].dropna().iloc[0] if ok["throughput_unit"].notna().any() else ""
         for column in (
             "best for",
             "size",
@@ -101,13 +102,13 @@ def print_summary(console: Console, experiment: str, tracking_uri: str, parent_r
             "dtype",
             "strategy",
             "peak alloc",
-            "samples/s",
+            unit or "throughput",
             "acc",
         ):
             table.add_column(column, no_wrap=True)
         picks = [
             ("least memory", ok.nsmallest(2, "peak_allocated_bytes")),
-            ("most samples/s", ok.nlargest(2, "throughput")),
+            ("most throughput", ok.nlargest(2, "throughput")),
             ("best accuracy", ok.nlargest(2, "accuracy")),
         ]
         for label, rows in picks:

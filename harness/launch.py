@@ -114,7 +114,8 @@ def describe(result: dict[str, Any]) -> str:
     if "peak_allocated_bytes" in metrics:
         parts.append(f"peak {format_bytes(metrics['peak_allocated_bytes'])}")
     if "throughput" in metrics:
-        parts.append(f"{metrics['throughput']:,.0f} samples/s")
+        unit = result.get("info", {}).get("throughput_unit", "samples/s")
+        parts.append(f"{metrics['throughput']:,.0f} {unit}")
     if "accuracy" in metrics:
         parts.append(f"acc {metrics['accuracy']:.3f}")
     if result.get("failure_reason"):

@@ -19,6 +19,22 @@ def study_name(spec: Spec) -> str:
     return f"{spec.experiment}-{spec.grid_hash()}"
 
 
+def planned_grid_sampler(spec: Spec) -> Any:
+    """A ``GridSampler`` for a sweep that enqueues every grid point itself.
+
+    Optuna's ``GridSampler.after_trial`` looks for the grid id it assigns when *it* picks a
+    point; enqueued points have none, and it fails when one point is left. The sweep drives
+    ask/tell itself (so the sampler's "stop the study" has nothing to stop): skip that hook.
+    """
+    import optuna
+
+    class PlannedGridSampler(optuna.samplers.GridSampler):
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            return None
+
+    return PlannedGridSampler(spec.axes(), seed=spec.train.seed)
+
+
 def open_study(spec: Spec, fresh: bool = False) -> Any:
     import optuna
 
@@ -31,7 +47,7 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
     study = optuna.create_study(
         study_name=name,
         storage=spec.tracking.storage,
-        sampler=optuna.samplers.GridSampler(spec.axes(), seed=spec.train.seed),
+        sampler=planned_grid_sampler(spec),
         directions=[objective.direction for objective in spec.search.objectives],
         load_if_exists=True,
     )

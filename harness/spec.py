@@ -58,6 +58,15 @@ def did_you_mean(word: str, options: typing.Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def require_known(kind: str, name: str, options: typing.Iterable[str], also: str = "") -> str:
+    """``name`` if it is one of ``options``; else a ValueError listing them, with a suggestion."""
+    options = list(options)
+    if name in options:
+        return name
+    allowed = ", ".join(options) + (f", {also}" if also else "")
+    raise ValueError(f"unknown {kind} {name!r} (allowed: {allowed}){did_you_mean(name, options)}")
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -72,12 +81,9 @@ class ModelSpec(Strict):
     @field_validator("family")
     @classmethod
     def known_family(cls, family: str) -> str:
-        if family in FAMILIES or is_user_family(family):
+        if is_user_family(family):
             return family
-        raise ValueError(
-            f"unknown model family {family!r} (allowed: {', '.join(FAMILIES)}, or module:attr "
-            f"for your own code){did_you_mean(family, FAMILIES)}"
-        )
+        return require_known("model family", family, FAMILIES, "or module:attr for your own code")
 
     @model_validator(mode="after")
     def known_knobs(self) -> ModelSpec:
@@ -137,11 +143,7 @@ class DataSpec(Strict):
     @field_validator("dataset")
     @classmethod
     def known_dataset(cls, name: str) -> str:
-        if name not in DATASETS:
-            raise ValueError(
-                f"unknown dataset {name!r} (allowed: {', '.join(DATASETS)}){did_you_mean(name, DATASETS)}"
-            )
-        return name
+        return require_known("dataset", name, DATASETS)
 
     @model_validator(mode="after")
     def options_fit_dataset(self) -> DataSpec:
@@ -250,11 +252,7 @@ class ObjectiveSpec(Strict):
     @field_validator("metric")
     @classmethod
     def known_metric(cls, metric: str) -> str:
-        if metric not in METRICS:
-            raise ValueError(
-                f"unknown metric {metric!r}{did_you_mean(metric, METRICS)} (see the README's metric table)"
-            )
-        return metric
+        return require_known("metric", metric, METRICS)
 
 
 DEFAULT_OBJECTIVES = [
@@ -489,9 +487,11 @@ def format_error(source: str, error: dict[str, Any]) -> str:
             message = f"must be one of {expected_text}"
             if isinstance(error.get("input"), str):
                 message += did_you_mean(error["input"], re.findall(r"'([^']*)'", expected_text))
-    shown = repr(error.get("input"))
-    if kind != "missing" and not isinstance(error.get("input"), dict) and shown not in message:
-        message += f" (got {error['input']!r})"
+    value = error.get("input")
+    # Echo the bad value unless it is a whole section or a list the message already names.
+    echo = not isinstance(value, dict) and not (isinstance(value, list) and value)
+    if kind != "missing" and echo and repr(value) not in message:
+        message += f" (got {value!r})"
     return f"{source}: {_dotted(loc)}: {message}"
 
 

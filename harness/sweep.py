@@ -82,7 +82,7 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
     planned = [(point, spec.trial_config(point)) for point in points]
     pending = [(point, config) for point, config in planned if config.trial_key not in recorded]
     outcome = SweepOutcome(spec.experiment, parent, len(points), len(points) - len(pending))
-    if outcome.already_recorded:
+    if outcome.already_recorded or interrupted:
         console.print(
             f"Resuming sweep {parent[:8]}: {outcome.already_recorded} of {len(points)} trials already "
             f"recorded{f', {interrupted} interrupted trial(s) will re-run' if interrupted else ''}."

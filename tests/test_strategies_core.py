@@ -128,3 +128,15 @@ def test_family_and_dataset_must_fit():
     data = spec_for("none", family="gpt", dataset="digits")
     with pytest.raises(SpecError, match=r"data\.dataset: model family gpt trains on text"):
         parse_spec(data, "exp.yaml")
+
+
+def test_harness_validate_names_both_strategies(tmp_path):
+    from tests.conftest import run_cli, write_spec
+
+    path = write_spec(tmp_path, spec_for(["adafactor", "sgd_momentum"]), "bad.yaml")
+    done = run_cli("validate", str(path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"{path}: grid.strategy[0]: 'adafactor' and 'sgd_momentum' cannot be combined: "
+        "both choose the optimizer"
+    )

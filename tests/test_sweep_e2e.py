@@ -209,7 +209,16 @@ def test_kill_9_then_rerun_finishes_without_repeats(tmp_path, base_spec):
     again = run_cli("sweep", str(spec_path), cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "Resuming sweep" in again.stdout
-    frame = load("killed", f"sqlite:///{db}")
+    frame = load("killed", f"sqlite:///{db}", sweep="all")
+    assert frame["sweep_run_id"].nunique() == 1  # the same sweep, resumed
     assert len(frame) == 3 and frame["trial_key"].is_unique
     assert (frame["status"] == "ok").all()
     assert frame["batch_size"].tolist() == [16, 32, 64]
+
+
+def test_a_one_point_grid_sweeps(tmp_path, base_spec):
+    """Optuna's GridSampler alone fails on the last enqueued point; the sweep's sampler must not."""
+    base_spec["name"] = "one-point"
+    done = run_cli("sweep", str(write_spec(tmp_path, base_spec)), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (load("one-point", f"sqlite:///{tmp_path}/results/mlflow.db")["status"] == "ok").all()

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
@@ -32,11 +33,9 @@ class MemoryReading:
         return {k: float(v) for k, v in asdict(self).items() if v is not None}
 
 
-def storage_bytes(tensor: torch.Tensor) -> int:
-    size = tensor.untyped_storage().nbytes()
-    if tensor.device.type == "cuda":
-        return -(-size // CUDA_BLOCK) * CUDA_BLOCK
-    return size
+def allocated_bytes(size: int, device: torch.device) -> int:
+    """What a storage of ``size`` bytes takes on ``device`` (CUDA rounds up to its block)."""
+    return -(-size // CUDA_BLOCK) * CUDA_BLOCK if device.type == "cuda" else size
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -47,8 +46,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             if isinstance(value, torch.Tensor):
                 if hasattr(value, "to_local"):  # a sharded DTensor (FSDP): this rank's shard
                     value = value.to_local()
-                storage = value.untyped_storage()
-                seen[storage.data_ptr() or id(storage)] = storage_bytes(value)
+                # Tensor subclasses (torchao's 8-bit state) keep their bytes in inner tensors.
+                for storage in get_untyped_storages(value):
+                    key = storage.data_ptr() or id(storage)
+                    seen[key] = allocated_bytes(storage.nbytes(), value.device)
     return sum(seen.values())
 
 

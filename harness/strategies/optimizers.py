@@ -1,0 +1,53 @@
+"""Optimizer strategies: swap the trial's optimizer, keeping its lr, weight decay and foreach.
+
+The optimizer's persistent state is a fixed number of bytes per parameter (fp32): plain SGD 0,
+SGD with momentum 4, AdamW 8, Adafactor only a row and a column vector per weight matrix,
+8-bit AdamW ~2. Making the optimizer a strategy lets one grid compare them against the same
+baseline, alone or combined with the other memory techniques.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.strategies.base import Strategy, TrialContext
+
+KEPT = ("lr", "weight_decay", "foreach")
+
+
+class OptimizerStrategy(Strategy):
+    """Replaces the optimizer spec with ``optimizer_name`` (and ``momentum`` for SGD)."""
+
+    optimizer_name = "adam"
+    momentum: float | None = None
+
+    def optimizer(self, spec: dict[str, Any], ctx: TrialContext) -> dict[str, Any]:
+        new = {"name": self.optimizer_name, **{k: spec[k] for k in KEPT if k in spec}}
+        if self.momentum is not None:
+            new["momentum"] = self.momentum
+        return new
+
+
+class Sgd(OptimizerStrategy):
+    name = optimizer_name = "sgd"
+    momentum = 0.0
+
+
+class SgdMomentum(OptimizerStrategy):
+    name = "sgd_momentum"
+    optimizer_name = "sgd"
+    momentum = 0.9
+
+
+class AdamW(OptimizerStrategy):
+    name = optimizer_name = "adamw"
+
+
+class Adafactor(OptimizerStrategy):
+    name = optimizer_name = "adafactor"
+
+
+class Adam8bit(OptimizerStrategy):
+    """torchao's AdamW8bit; torchao is imported only when this optimizer is built."""
+
+    name = optimizer_name = "adam8bit"

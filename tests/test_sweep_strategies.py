@@ -1,0 +1,70 @@
+"""Every strategy that can run on a CPU runs inside a real sweep and is recorded in MLflow."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from harness.results import load
+from harness.strategies import STRATEGIES
+from tests.conftest import BASE_SPEC, run_cli, write_spec
+
+pytestmark = pytest.mark.slow
+
+CPU_STRATEGIES = [
+    "none",
+    "checkpoint",
+    "accumulate:2",
+    "bf16_params",
+    "sgd",
+    "sgd_momentum",
+    "adamw",
+    "adafactor",
+    "adam8bit",
+    "prune:0.5",
+    "prune_structured:0.5",
+    "quantize_int8",
+    "keep_grads",
+    "compile",
+    "ddp:2",
+    "fsdp:2",
+    ["checkpoint", "accumulate:2", "adafactor"],
+]
+
+
+def test_every_cpu_strategy_runs_in_a_sweep(tmp_path):
+    covered = {
+        t.partition(":")[0] for e in CPU_STRATEGIES for t in (e if isinstance(e, list) else [e])
+    }
+    cuda_only = {n for n, info in STRATEGIES.items() if "cpu" not in info.devices}
+    conv_only = {"channels_last"}  # covered on the cnn below
+    assert covered | cuda_only | conv_only == set(STRATEGIES)
+
+    spec = copy.deepcopy(BASE_SPEC)
+    spec["name"] = "every-strategy"
+    spec["model"] = {"family": "mlp", "sizes": {"m": {"width": 64, "depth": 2}}}
+    spec["grid"].update(batch_size=[16], strategy=CPU_STRATEGIES)
+    spec["train"]["budget"] = {"steps": 8}
+    spec["limits"] = {"trial_timeout": "300s"}
+    done = run_cli("sweep", str(write_spec(tmp_path, spec)), cwd=tmp_path, timeout=1800)
+    assert done.returncode == 0, done.stderr
+    frame = load("every-strategy", f"sqlite:///{tmp_path}/results/mlflow.db").set_index("strategy")
+    failed = frame[frame["status"] != "ok"]["failure_reason"].to_dict()
+    assert not failed, failed
+    assert len(frame) == len(CPU_STRATEGIES)
+    assert frame.loc["ddp:2", "world_size"] == 2
+    assert frame.loc["sgd", "optimizer"] == "sgd"  # the optimizer the trial really used
+    assert frame.loc["prune:0.5", "sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert frame.loc["quantize_int8", "int8_accuracy"] >= 0
+    assert frame.loc["compile", "compile_time_s"] > 0
+
+    cnn = copy.deepcopy(spec)
+    cnn["name"] = "channels-last"
+    cnn["model"] = {"family": "cnn", "sizes": {"s": {"width": 8}}}
+    cnn["grid"]["strategy"] = ["channels_last"]
+    done = run_cli("sweep", str(write_spec(tmp_path, cnn, "cnn.yaml")), cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert (
+        load("channels-last", f"sqlite:///{tmp_path}/results/mlflow.db")["status"] == "ok"
+    ).all()
