@@ -130,6 +130,97 @@ def print_summary(console: Console, experiment: str, tracking_uri: str, parent_r
     )
 
 
+ESTIMATE_COLUMNS = [
+    "model_size",
+    "batch_size",
+    "dtype",
+    "strategy",
+    "predicted_peak_bytes",
+    "predicted_mem_param_bytes",
+    "predicted_mem_grad_bytes",
+    "predicted_mem_optim_bytes",
+    "predicted_mem_activation_bytes",
+    "predicted_mem_other_bytes",
+    "predicted_model_state_bytes",
+    "closed_form_model_state_bytes",
+    "korthikanti_activation_bytes",
+    "num_params",
+    "fits",
+    "device",
+    "trial_key",
+    "estimate_seconds",
+    "unpredictable",
+    "note",
+]
+
+
+@main.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(("table", "csv", "json")),
+    default="table",
+    show_default=True,
+)
+@click.option(
+    "--device",
+    type=click.Choice(("auto", "cpu", "cuda")),
+    default="auto",
+    show_default=True,
+    help="Device to predict for; auto: the spec's device (auto there means CUDA if present here). "
+    "CUDA is predicted from any machine, with the allocator's 512-byte rounding.",
+)
+def estimate(spec_path: Path, fmt: str, device: str) -> None:
+    """Predict every grid point's peak memory and breakdown without running (fake tensors)."""
+    import json
+    import subprocess
+    import tempfile
+
+    import pandas as pd
+
+    from harness.spec import local_device
+
+    spec = load_spec(spec_path)
+    target = device if device != "auto" else spec.device.split(":")[0]
+    if target == "auto":
+        target = local_device()
+    configs = [spec.trial_config(point) for point in spec.points()]
+    with tempfile.TemporaryDirectory() as folder:
+        request, answer = Path(folder) / "in.json", Path(folder) / "out.json"
+        request.write_text(
+            json.dumps({"device": target, "configs": [c.to_dict() for c in configs]})
+        )
+        click.echo(f"estimating {len(configs)} trials for {target} ...", err=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        if done.returncode != 0:
+            last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
+            raise click.ClickException(f"the estimator failed: {last}")
+        frame = pd.DataFrame(json.loads(answer.read_text()))
+    frame["model_size"] = [c.model_size for c in configs]
+    frame["batch_size"] = [c.batch_size for c in configs]
+    frame["dtype"] = [c.dtype for c in configs]
+    frame["strategy"] = [c.strategy_text for c in configs]
+    frame["device"] = target
+    if spec.device_memory and "predicted_peak_bytes" in frame:
+        frame["fits"] = frame["predicted_peak_bytes"] <= spec.device_memory
+    frame = frame.reindex(columns=[c for c in ESTIMATE_COLUMNS if c in frame.columns])
+    if fmt == "csv":
+        click.echo(frame.to_csv(index=False), nl=False)
+    elif fmt == "json":
+        click.echo(frame.to_json(orient="records", indent=1))
+    else:
+        shown = frame.drop(columns=["trial_key"])
+        for column in [c for c in shown.columns if c.endswith("_bytes")]:
+            shown[column] = shown[column].map(format_bytes)
+        click.echo(shown.to_string(index=False))
+
+
 @main.command()
 @click.option(
     "--experiment", "-e", default=None, help="Experiment (spec name); default: the one run last."

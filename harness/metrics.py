@@ -27,6 +27,9 @@ METRICS: dict[str, str] = {
     "epochs": "epochs trained (train_steps / steps per epoch)",
     "epoch_time_s": "wall time of one epoch including moving batches to the device, "
     "from the untimed training steps",
+    "predicted_peak_bytes": "the estimator's prediction of peak_allocated_bytes, made before "
+    "the trial trained (fake tensors: the same code, no allocation)",
+    "prediction_ratio": "predicted_peak_bytes / peak_allocated_bytes (1.0: exact)",
     # Recorded by particular strategies only.
     "sparsity": "prune: fraction of prunable weights that are zero after training",
     "float_linear_weight_bytes": "quantize_int8: bytes of the trained model's Linear weights",

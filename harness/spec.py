@@ -278,6 +278,7 @@ def _bytes(value: Any) -> int:
 class LimitsSpec(Strict):
     trial_timeout: Annotated[Any, AfterValidator(_seconds)] = 600.0
     retries: int = Field(0, ge=0, le=10)
+    run_infeasible: bool = False  # run trials predicted over device_memory / host RAM anyway
 
 
 class TrackingSpec(Strict):
@@ -381,6 +382,7 @@ class Spec(Strict):
             device=self.device,
             device_memory_bytes=self.device_memory,
             python_path=[spec_dir, str(Path.cwd())],
+            run_infeasible=self.limits.run_infeasible,
         )
 
     def points(self) -> list[dict[str, Any]]:

@@ -43,7 +43,9 @@ def faults_sweep(tmp_path_factory):
         },
     }
     base_spec["device_memory"] = "1MiB"
-    base_spec["limits"] = {"trial_timeout": "25s"}
+    # run_infeasible: train "huge" although predicted over budget, so its real peak says oom
+    # (without it the trial is `infeasible` and never trained: tests/test_estimate.py).
+    base_spec["limits"] = {"trial_timeout": "25s", "run_infeasible": True}
     spec_path = write_spec(tmp_path, base_spec)
     done = run_cli("sweep", str(spec_path), cwd=tmp_path)
     return tmp_path, spec_path, done

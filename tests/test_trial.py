@@ -60,8 +60,18 @@ def test_measurement_steps_are_trained_even_on_a_tiny_budget(base_spec):
     assert "epoch_time_s" not in result["metrics"]  # no untimed steps left to time an epoch
 
 
+def test_predicted_over_device_memory_is_infeasible_and_not_trained(base_spec):
+    base_spec["device_memory"] = "8KiB"
+    result = run_trial(parse_spec(base_spec).trials()[0])
+    assert result["status"] == "infeasible"
+    assert "predicted peak" in result["failure_reason"]
+    assert result["metrics"]["predicted_peak_bytes"] > 8 * 1024
+    assert result["loss_history"] == [] and "peak_allocated_bytes" not in result["metrics"]
+
+
 def test_over_device_memory_is_oom_with_the_measured_peak(base_spec):
     base_spec["device_memory"] = "8KiB"
+    base_spec["limits"] = {"run_infeasible": True}  # train it anyway: the real peak says oom
     result = run_trial(parse_spec(base_spec).trials()[0])
     assert result["status"] == "oom"
     assert "exceeds device_memory 8.00 KiB" in result["failure_reason"]

@@ -48,7 +48,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                     value = value.to_local()
                 # Tensor subclasses (torchao's 8-bit state) keep their bytes in inner tensors.
                 for storage in get_untyped_storages(value):
-                    key = storage.data_ptr() or id(storage)
+                    key = storage._cdata  # the StorageImpl: one per storage, fake ones too
                     seen[key] = allocated_bytes(storage.nbytes(), value.device)
     return sum(seen.values())
 
@@ -68,15 +68,18 @@ class MemoryWindow:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         staged: list[torch.Tensor],
+        allocator_counters: bool = True,
     ) -> None:
         self.device = device
+        # Off when estimating on fake tensors: then there is no allocator to ask.
+        self.allocator_counters = allocator_counters and device.type == "cuda"
         self.optimizer = optimizer
         self.tracker = MemTracker()
         self.tracker.track_external(model, optimizer, *staged)
         self.reading: MemoryReading | None = None
 
     def __enter__(self) -> MemoryWindow:
-        if self.device.type == "cuda":
+        if self.allocator_counters:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         self.tracker.__enter__()
@@ -108,7 +111,7 @@ class MemoryWindow:
         )
         tracked_peak = by_type.get("Total", 0)
         reserved = None
-        if self.device.type == "cuda":
+        if self.allocator_counters:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)

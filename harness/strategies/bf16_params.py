@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from harness.strategies.base import Strategy, TrialContext
+from harness.trial.modules import convert
 
 
 class Bf16Params(Strategy):
     name = "bf16_params"
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
-        return model.to(torch.bfloat16)
+        return convert(model, dtype=torch.bfloat16)
 
     def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16) if x.is_floating_point() else x

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from harness.strategies.base import Strategy, TrialContext
+from harness.trial.modules import convert
 
 # PyTorch >= 2.9 also reads the device-neutral PYTORCH_ALLOC_CONF; when a user has set that one,
 # it gets the setting too, so whichever variable the allocator reads has it.
@@ -63,7 +64,7 @@ class ChannelsLast(Strategy):
     name = "channels_last"
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
-        return model.to(memory_format=torch.channels_last)
+        return convert(model, memory_format=torch.channels_last)
 
     def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 4 and x.is_floating_point():

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+NOT_DEFINING = ("python_path", "run_infeasible")
+
 
 @dataclass(frozen=True)
 class TrialConfig:
@@ -33,8 +35,10 @@ class TrialConfig:
     timed_steps: int = 10
     device: str = "auto"
     device_memory_bytes: int | None = None
-    # Where user model code (``module:attr`` families) is importable from; not part of the key.
+    # Not part of the key: where user model code (``module:attr``) is importable from, and
+    # whether to run a trial even when it is predicted not to fit.
     python_path: list[str] = field(default_factory=list)
+    run_infeasible: bool = False
 
     @property
     def strategy_text(self) -> str:
@@ -44,7 +48,7 @@ class TrialConfig:
     @property
     def trial_key(self) -> str:
         """A stable hash of everything that defines the trial (not where it runs from)."""
-        defining = {k: v for k, v in self.to_dict().items() if k not in ("python_path",)}
+        defining = {k: v for k, v in self.to_dict().items() if k not in NOT_DEFINING}
         blob = json.dumps(defining, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -26,12 +26,13 @@ from harness.strategies import build_strategies
 from harness.strategies.base import TrialContext
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
+from harness.trial.modules import convert
 from harness.trial.optim import build_optimizer
 from harness.trial.outcome import Status, TrialFailure
 from harness.trial.precision import Precision
 from harness.units import format_bytes
 from harness.workloads import build_model, load_dataset, resolve_knobs
-from harness.workloads.tensors import SplitData, batches, steps_per_epoch
+from harness.workloads.tensors import DataInfo, SplitData, batches, steps_per_epoch
 
 EVAL_BATCH = 512
 
@@ -75,8 +76,8 @@ class Trial:
 
     def run(self) -> None:
         cfg = self.config
-        self.strategies = strategies = build_strategies(cfg.strategy)
-        for strategy in strategies:  # allocator settings must precede the first CUDA call
+        self.strategies = build_strategies(cfg.strategy)
+        for strategy in self.strategies:  # allocator settings must precede the first CUDA call
             os.environ.update(strategy.environment())
         self.ranks = ranks = Ranks.from_env()
         self.device = device = ranks.start(resolve_device(cfg.device))
@@ -86,40 +87,11 @@ class Trial:
             torch_threads=torch.get_num_threads(),
         )
         emulate_card(device, cfg.device_memory_bytes)
+        self.predict(device)
         seed_everything(cfg.seed)
-
-        knobs = resolve_knobs(cfg.model_family, cfg.model_knobs)
-        data_options = dict(cfg.data_options)
-        if "seq_len" in knobs:  # a sequence model sets the length of its text windows
-            data_options.setdefault("seq_len", knobs["seq_len"])
-        data = load_dataset(cfg.dataset, data_options, cfg.seed)
-        self.precision = Precision(cfg.dtype, device)
-        self.ctx = ctx = TrialContext(device, cfg.dtype, cfg.model_family, data, cfg.batch_size)
-        ctx.evaluate = lambda model, on=device: evaluate(
-            model, data, on, self.precision, self.prepare_batch
-        )
-        model = build_model(cfg.model_family, knobs, data.info, cfg.python_path).to(device)
-        for strategy in strategies:
-            model = strategy.prepare_model(model, ctx)
-        self.info.update(ctx.notes)  # what strategies did (segments, pruned parameters, ...)
-        self.model = model
-        optimizer_spec = dict(cfg.optimizer)
-        for strategy in strategies:
-            optimizer_spec = strategy.optimizer(optimizer_spec, ctx)
-        self.optimizer = build_optimizer(
-            optimizer_spec, [p for p in model.parameters() if p.requires_grad]
-        )
-        self.micro_batches = math.prod(s.micro_batches() for s in strategies)
-        self.set_to_none = all(s.zero_grad_set_to_none() for s in strategies)
-        self.info["optimizer"] = optimizer_spec["name"]
-        self.metrics["num_params"] = float(
-            sum(p.numel() for p in model.parameters() if p.requires_grad)
-        )
-        tokens = data.info.tokens_per_sample
-        self.samples_per_step = cfg.batch_size // ranks.size * tokens  # this rank's share
-        self.info["world_size"] = ranks.size
-        self.info["throughput_unit"] = "tokens/s" if tokens > 1 else "samples/s"
-
+        data = load_dataset(cfg.dataset, self.data_options(), cfg.seed)
+        self.build(data.info, data)
+        strategies = self.strategies
         per_epoch = steps_per_epoch(len(data.train_x), cfg.batch_size)
         budget_steps = cfg.budget.get("steps") or cfg.budget.get("epochs", 1) * per_epoch
         measured = cfg.warmup_steps + cfg.memory_steps + cfg.timed_steps
@@ -134,11 +106,69 @@ class Trial:
         # each forward); the results agree, rank 0 reports them.
         self.metrics.update(evaluate(self.model, data, device, self.precision, self.prepare_batch))
         for strategy in strategies:
-            self.metrics.update(strategy.after_training(self.model, ctx))
+            self.metrics.update(strategy.after_training(self.model, self.ctx))
         window = self.loss_history[-per_epoch:]
         self.metrics["train_loss"] = sum(window) / len(window)
         self.metrics["train_steps"] = float(self.steps_done)
         self.metrics["epochs"] = self.steps_done / per_epoch
+
+    def data_options(self) -> dict[str, Any]:
+        options = dict(self.config.data_options)
+        knobs = resolve_knobs(self.config.model_family, self.config.model_knobs)
+        if "seq_len" in knobs:  # a sequence model sets the length of its text windows
+            options.setdefault("seq_len", knobs["seq_len"])
+        return options
+
+    def build(self, info: DataInfo, data: SplitData | None) -> None:
+        """Model, strategies and optimizer on ``self.device``: shared by training and estimating."""
+        cfg, device = self.config, self.device
+        self.precision = Precision(cfg.dtype, device, scaler=data is not None)
+        self.ctx = ctx = TrialContext(device, cfg.dtype, cfg.model_family, data, cfg.batch_size)
+        if data is not None:
+            ctx.evaluate = lambda model, on=device: evaluate(
+                model, data, on, self.precision, self.prepare_batch
+            )
+        knobs = resolve_knobs(cfg.model_family, cfg.model_knobs)
+        model = convert(build_model(cfg.model_family, knobs, info, cfg.python_path), device)
+        for strategy in self.strategies:
+            model = strategy.prepare_model(model, ctx)
+        self.info.update(ctx.notes)  # what strategies did (segments, pruned parameters, ...)
+        self.model = model
+        optimizer_spec = dict(cfg.optimizer)
+        for strategy in self.strategies:
+            optimizer_spec = strategy.optimizer(optimizer_spec, ctx)
+        self.optimizer = build_optimizer(
+            optimizer_spec, [p for p in model.parameters() if p.requires_grad]
+        )
+        self.micro_batches = math.prod(s.micro_batches() for s in self.strategies)
+        self.set_to_none = all(s.zero_grad_set_to_none() for s in self.strategies)
+        self.info["optimizer"] = optimizer_spec["name"]
+        self.metrics["num_params"] = float(
+            sum(p.numel() for p in model.parameters() if p.requires_grad)
+        )
+        self.samples_per_step = cfg.batch_size // self.ranks.size * info.tokens_per_sample
+        self.info["throughput_unit"] = "tokens/s" if info.tokens_per_sample > 1 else "samples/s"
+        self.info["world_size"] = self.ranks.size
+
+    def predict(self, device: torch.device) -> None:
+        """Predict the peak before training; a trial that cannot fit is not run (``infeasible``)."""
+        from harness.trial.estimate import estimate_peak, host_guard
+
+        prediction = estimate_peak(self.config, device)
+        if prediction is None or "unpredictable" in prediction:
+            self.info["prediction"] = (prediction or {}).get("unpredictable", "not predicted")
+            return
+        self.metrics["predicted_peak_bytes"] = prediction["predicted_peak_bytes"]
+        budget = self.config.device_memory_bytes
+        peak = prediction["predicted_peak_bytes"]
+        if budget is not None and peak > budget and not self.config.run_infeasible:
+            raise TrialFailure(
+                Status.INFEASIBLE,
+                f"predicted peak {format_bytes(peak)} exceeds device_memory {format_bytes(budget)}",
+            )
+        reason = host_guard(peak, device)
+        if reason and not self.config.run_infeasible:
+            raise TrialFailure(Status.INFEASIBLE, reason)
 
     def warm_up(self, stream: Iterator[Any], steps: int) -> None:
         for _ in range(steps):
@@ -158,6 +188,9 @@ class Trial:
         assert window.reading is not None
         reading = self.ranks.worst_memory(window.reading.metrics())
         self.metrics.update(reading)
+        if "predicted_peak_bytes" in self.metrics:
+            ratio = self.metrics["predicted_peak_bytes"] / reading["peak_allocated_bytes"]
+            self.metrics["prediction_ratio"] = ratio
         peak, budget = reading["peak_allocated_bytes"], self.config.device_memory_bytes
         if budget is not None and peak > budget:
             raise TrialFailure(

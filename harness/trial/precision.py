@@ -15,13 +15,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
-    def __init__(self, dtype: str, device: torch.device) -> None:
+    def __init__(self, dtype: str, device: torch.device, scaler: bool = True) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
         self.name = dtype
         self.device = device
         self.dtype = DTYPES[dtype]
-        self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
+        # The estimator runs without one: the scaler's inf check reads a value, which fake
+        # tensors do not have (its memory, a few scalars, does not matter).
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" and scaler else None
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype is torch.float32:

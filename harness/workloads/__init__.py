@@ -176,6 +176,13 @@ def build_model(
     raise ValueError(f"unknown model family {family!r}")
 
 
+def describe_dataset(name: str, options: dict[str, Any]) -> Any:
+    """The dataset's ``DataInfo`` (shapes, classes) without loading it: what estimates need."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
+    return resolve(DATASETS[name].loader.replace(":load", ":describe"))(options)
+
+
 def load_dataset(name: str, options: dict[str, Any], seed: int) -> Any:
     """Load the dataset's train/held-out ``SplitData`` on the CPU."""
     if name not in DATASETS:

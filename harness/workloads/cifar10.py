@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from harness.workloads.tensors import SplitData
+from harness.workloads.tensors import DataInfo, SplitData
 
 FOLDER = "cifar-10-batches-py"
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -51,6 +51,10 @@ def ensure_downloaded(root: Path, download: bool) -> Path:
 
     CIFAR10(root=str(root), train=True, download=True)  # downloads, checks md5, extracts
     return folder
+
+
+def describe(options: dict[str, Any]) -> DataInfo:
+    return DataInfo((3, 32, 32), NUM_CLASSES)
 
 
 def load(options: dict[str, Any], seed: int) -> SplitData:

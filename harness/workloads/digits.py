@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from harness.workloads.tensors import SplitData, split
+from harness.workloads.tensors import DataInfo, SplitData, split
 
 NUM_CLASSES = 10
 
@@ -30,6 +30,10 @@ def digits_csv_path() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"scikit-learn's digits file is missing: {path}")
     return path
+
+
+def describe(options: dict[str, Any]) -> DataInfo:
+    return DataInfo((1, 8, 8), NUM_CLASSES)
 
 
 def load(options: dict[str, Any], seed: int) -> SplitData:

@@ -6,9 +6,15 @@ from typing import Any
 
 import torch
 
-from harness.workloads.tensors import SplitData, split
+from harness.workloads.tensors import DataInfo, SplitData, split
 
 DEFAULT_SHAPE = (3, 32, 32)
+
+
+def describe(options: dict[str, Any]) -> DataInfo:
+    return DataInfo(
+        tuple(options.get("shape") or DEFAULT_SHAPE), int(options.get("num_classes") or 10)
+    )
 
 
 def load(options: dict[str, Any], seed: int) -> SplitData:

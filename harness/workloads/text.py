@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from harness.workloads.tensors import SplitData
+from harness.workloads.tensors import DataInfo, SplitData
 
 VOCAB = 256
 
@@ -32,6 +32,11 @@ def windows(tokens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Ten
     x = usable[:-1].reshape(count, seq_len)
     y = usable[1:].reshape(count, seq_len)
     return x, y
+
+
+def describe(options: dict[str, Any]) -> DataInfo:
+    seq_len = int(options.get("seq_len") or 128)
+    return DataInfo((seq_len,), VOCAB, seq_len)
 
 
 def load(options: dict[str, Any], seed: int) -> SplitData:

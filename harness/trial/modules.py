@@ -1,0 +1,43 @@
+"""Moving a model's parameters and buffers to a device / dtype / memory format, ties kept.
+
+``nn.Module.to`` swaps tensors in a way fake tensors (the estimator's) refuse, so the trial and
+the estimator both convert through this one function: what runs is what is predicted.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def convert(
+    model: nn.Module,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    memory_format: torch.memory_format | None = None,
+) -> nn.Module:
+    """Convert in place; floating tensors take ``dtype``; 4-D ones take ``memory_format``."""
+    done: dict[int, torch.Tensor] = {}
+
+    def converted(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in done:
+            new = tensor.detach()
+            if device is not None:
+                new = new.to(device)
+            if dtype is not None and new.is_floating_point():
+                new = new.to(dtype)
+            if memory_format is not None and new.dim() == 4:
+                new = new.contiguous(memory_format=memory_format)
+            done[id(tensor)] = new
+        return done[id(tensor)]
+
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in done:
+                    done[id(param)] = nn.Parameter(converted(param), param.requires_grad)
+                module._parameters[name] = done[id(param)]  # type: ignore[assignment]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = converted(buffer)
+    return model

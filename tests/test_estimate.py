@@ -1,0 +1,92 @@
+"""The estimator (fake tensors, same training code) against real CPU measurements."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pandas as pd
+import pytest
+import torch
+
+from harness.results import load
+from harness.spec import parse_spec
+from harness.trial.estimate import closed_form, estimate_peak
+from harness.trial.loop import run_trial
+from tests.conftest import BASE_SPEC, run_cli, write_spec
+
+GPT8 = {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}
+
+
+def spec(strategy="none", family="mlp", knobs=None, batch_size=8, dtype="fp32"):
+    data = copy.deepcopy(BASE_SPEC)
+    data["model"] = {"family": family, "sizes": {"m": knobs or {"width": 256, "depth": 2}}}
+    data["data"] = {"dataset": "text" if family == "gpt" else "digits"}
+    data["grid"].update(batch_size=[batch_size], dtype=[dtype], strategy=[strategy])
+    data["train"]["budget"] = {"steps": 6}
+    return data
+
+
+def test_fp32_mlp_adam_prediction_matches_the_measured_peak():
+    result = run_trial(parse_spec(spec(batch_size=64)).trials()[0])
+    metrics = result["metrics"]
+    assert metrics["predicted_peak_bytes"] == pytest.approx(
+        metrics["peak_allocated_bytes"], rel=0.01
+    )
+    assert metrics["prediction_ratio"] == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("strategy", ["none", "checkpoint"])
+def test_gpt_prediction_within_10_percent(strategy):
+    result = run_trial(parse_spec(spec(strategy, "gpt", GPT8, batch_size=16)).trials()[0])
+    assert result["metrics"]["prediction_ratio"] == pytest.approx(1.0, abs=0.10)
+
+
+def test_model_state_matches_the_closed_form():
+    config = parse_spec(spec("bf16_params")).trials()[0]
+    prediction = estimate_peak(config, torch.device("cpu"))
+    expected = closed_form(config, prediction["num_params"], {})["closed_form_model_state_bytes"]
+    # bf16 parameters and gradients, bf16 Adam moments: 8 B/param (+ fp32 step counters).
+    assert prediction["predicted_model_state_bytes"] == pytest.approx(expected, rel=0.001)
+
+
+def test_parallel_trials_are_not_predicted():
+    assert (
+        estimate_peak(parse_spec(spec("ddp:2", batch_size=16)).trials()[0], torch.device("cpu"))
+        is None
+    )
+
+
+def test_estimate_cli_prints_a_row_per_grid_point(tmp_path):
+    data = spec("none", "gpt", GPT8)
+    data["grid"].update(batch_size=[4, 8], strategy=["none", "checkpoint"])
+    done = run_cli("estimate", str(write_spec(tmp_path, data)), "--format", "csv", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    frame = pd.read_csv(io.StringIO(done.stdout))
+    assert len(frame) == 4
+    for column in (
+        "predicted_peak_bytes",
+        "predicted_mem_activation_bytes",
+        "korthikanti_activation_bytes",
+    ):
+        assert (frame[column] > 0).all(), column
+    by = frame.set_index(["batch_size", "strategy"])["predicted_mem_activation_bytes"]
+    assert by[(8, "checkpoint")] < by[(8, "none")]
+    assert not (tmp_path / "results").exists()  # nothing ran, nothing recorded
+
+
+@pytest.mark.slow
+def test_a_7b_trial_over_budget_is_infeasible_and_not_run(tmp_path):
+    data = spec("none", "gpt")
+    data["name"] = "big"
+    data["model"]["sizes"] = {"tiny": {"preset": "tiny"}, "7b": {"preset": "7b"}}
+    data["grid"].update(batch_size=[1], dtype=["bf16"])
+    data["device_memory"] = "24GiB"
+    done = run_cli("sweep", str(write_spec(tmp_path, data)), cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stderr
+    frame = load("big", f"sqlite:///{tmp_path}/results/mlflow.db").set_index("model_size")
+    assert frame.loc["tiny", "status"] == "ok"
+    assert frame.loc["7b", "status"] == "infeasible"
+    assert "exceeds device_memory 24.00 GiB" in frame.loc["7b", "failure_reason"]
+    assert frame.loc["7b", "predicted_peak_bytes"] > 90 * 2**30
+    assert pd.isna(frame.loc["7b", "peak_allocated_bytes"])  # never trained
