@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ class SweepOutcome:
     parent_run_id: str
     total: int
     already_recorded: int
-    statuses: dict[str, int] = field(default_factory=dict)
 
 
 def trial_label(point: dict[str, Any]) -> str:
@@ -127,7 +126,6 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
                     label,
                 )
                 search.tell(study, trial, spec, result, run_id)
-                outcome.statuses[result["status"]] = outcome.statuses.get(result["status"], 0) + 1
                 progress.console.print(
                     f"[{index}/{len(points)}] {label:<28} {describe(result)}  "
                     f"[{result.get('wall_time_s', 0):.1f}s]",

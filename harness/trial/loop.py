@@ -91,7 +91,6 @@ class Trial:
         seed_everything(cfg.seed)
         data = load_dataset(cfg.dataset, self.data_options(), cfg.seed)
         self.build(data.info, data)
-        strategies = self.strategies
         per_epoch = steps_per_epoch(len(data.train_x), cfg.batch_size)
         budget_steps = cfg.budget.get("steps") or cfg.budget.get("epochs", 1) * per_epoch
         measured = cfg.warmup_steps + cfg.memory_steps + cfg.timed_steps
@@ -105,7 +104,7 @@ class Trial:
         # Every rank evaluates the whole held-out split (sharded models need all ranks in
         # each forward); the results agree, rank 0 reports them.
         self.metrics.update(evaluate(self.model, data, device, self.precision, self.prepare_batch))
-        for strategy in strategies:
+        for strategy in self.strategies:
             self.metrics.update(strategy.after_training(self.model, self.ctx))
         window = self.loss_history[-per_epoch:]
         self.metrics["train_loss"] = sum(window) / len(window)
