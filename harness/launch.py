@@ -19,21 +19,14 @@ from typing import Any
 
 from harness.strategies import world_size
 from harness.trial.config import TrialConfig
-from harness.trial.outcome import Status
+from harness.trial.outcome import Status, failure_result
 from harness.units import format_bytes
 
 RETRYABLE = {Status.CRASH.value, Status.TIMEOUT.value}
 
 
 def failure(config: TrialConfig, status: Status, reason: str) -> dict[str, Any]:
-    return {
-        "trial_key": config.trial_key,
-        "status": status.value,
-        "failure_reason": reason,
-        "metrics": {},
-        "loss_history": [],
-        "info": {},
-    }
+    return failure_result(config.trial_key, status, reason)
 
 
 def _kill_tree(process: subprocess.Popen[bytes]) -> None:

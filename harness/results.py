@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from harness.metrics import METRICS
-from harness.tracking import PARENT_TAG, ROLE_TAG, SWEEP_ROLE, TRIAL_ROLE, quiet_mlflow
+from harness.tracking import PARENT_TAG, ROLE_TAG, SWEEP_ROLE, TRIAL_ROLE, all_runs, quiet_mlflow
 
 DEFAULT_TRACKING_URI = "sqlite:///results/mlflow.db"
 
@@ -74,24 +74,6 @@ def _client(tracking_uri: str) -> Any:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def _all_runs(
-    client: Any, experiment_ids: list[str], filter_string: str, order_by: list[str] | None = None
-) -> list[Any]:
-    runs, token = [], None
-    while True:
-        page = client.search_runs(
-            experiment_ids,
-            filter_string=filter_string,
-            max_results=1000,
-            order_by=order_by,
-            page_token=token,
-        )
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
-
-
 def find_sweep(client: Any, experiment: str | None) -> tuple[str, Any]:
     """The experiment id and the latest sweep (parent run) in it, or in any experiment."""
     if experiment is not None:
@@ -148,7 +130,7 @@ def load(
     else:
         experiment_id, parent = _sweep_by_id(client, sweep), sweep
     filter_string = role if sweep == "all" else f"{role} and tags.`{PARENT_TAG}` = '{parent}'"
-    runs = _all_runs(client, [experiment_id], filter_string, ["attributes.start_time ASC"])
+    runs = all_runs(client, [experiment_id], filter_string, ["attributes.start_time ASC"])
     return to_frame(runs)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -85,6 +85,25 @@ def trial_params(config: TrialConfig, result: dict[str, Any]) -> dict[str, str]:
     }
     params.update({f"knob_{name}": value for name, value in config.model_knobs.items()})
     return {key: str(value) for key, value in params.items()}
+
+
+def all_runs(
+    client: Any, experiment_ids: list[str], filter_string: str, order_by: list[str] | None = None
+) -> list[Any]:
+    """Every run matching the filter (MLflow returns at most 1,000 a page)."""
+    runs, token = [], None
+    while True:
+        page = client.search_runs(
+            experiment_ids,
+            filter_string=filter_string,
+            max_results=1000,
+            order_by=order_by,
+            page_token=token,
+        )
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
 
 
 def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
@@ -165,19 +184,8 @@ class Tracker:
             self.client.delete_run(run.info.run_id)
         return len(unfinished)
 
-    def search(self, filter_string: str) -> Iterable[Any]:
-        token = None
-        while True:
-            page = self.client.search_runs(
-                [self.experiment_id],
-                filter_string=filter_string,
-                max_results=1000,
-                page_token=token,
-            )
-            yield from page
-            token = page.token
-            if not token:
-                return
+    def search(self, filter_string: str) -> list[Any]:
+        return all_runs(self.client, [self.experiment_id], filter_string)
 
     # ---- one trial ----------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
-from harness.trial.outcome import Status
+from harness.trial.outcome import Status, failure_result
 
 
 def write_result(path: Path, result: dict) -> None:
@@ -57,14 +57,7 @@ def main(argv: list[str]) -> int:
     except Exception as error:  # any bug or bad user code: recorded, never fatal to the sweep
         traceback.print_exc()
         reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
-        result = {
-            "trial_key": config.trial_key,
-            "status": Status.CRASH.value,
-            "failure_reason": reason,
-            "metrics": {},
-            "loss_history": [],
-            "info": {},
-        }
+        result = failure_result(config.trial_key, Status.CRASH, reason)
         if Ranks.from_env().is_writer:
             write_result(result_path, result)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 
 class Status(str, Enum):
@@ -16,6 +17,18 @@ class Status(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def failure_result(trial_key: str, status: Status, reason: str) -> dict[str, Any]:
+    """The result of a trial that measured nothing (crashed, timed out, killed)."""
+    return {
+        "trial_key": trial_key,
+        "status": status.value,
+        "failure_reason": reason,
+        "metrics": {},
+        "loss_history": [],
+        "info": {},
+    }
 
 
 class TrialFailure(Exception):
