@@ -192,9 +192,9 @@ def estimate(spec_path: Path, fmt: str, device: str) -> None:
             json.dumps({"device": target, "configs": [c.to_dict() for c in configs]})
         )
         click.echo(f"estimating {len(configs)} trials for {target} ...", err=True)
-        done = subprocess.run(
+        done = subprocess.run(  # its progress lines go to our stderr, its errors are kept
             [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
-            stdout=subprocess.DEVNULL,
+            stdout=sys.stderr,
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -208,7 +208,8 @@ def estimate(spec_path: Path, fmt: str, device: str) -> None:
     frame["strategy"] = [c.strategy_text for c in configs]
     frame["device"] = target
     if spec.device_memory and "predicted_peak_bytes" in frame:
-        frame["fits"] = frame["predicted_peak_bytes"] <= spec.device_memory
+        predicted = frame["predicted_peak_bytes"]
+        frame["fits"] = (predicted <= spec.device_memory).astype("boolean").where(predicted.notna())
     frame = frame.reindex(columns=[c for c in ESTIMATE_COLUMNS if c in frame.columns])
     if fmt == "csv":
         click.echo(frame.to_csv(index=False), nl=False)

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+from harness.launch import launch_trial
 from harness.results import load
 from harness.spec import parse_spec
 from harness.trial.estimate import closed_form, estimate_peak
@@ -50,11 +51,38 @@ def test_model_state_matches_the_closed_form():
     assert prediction["predicted_model_state_bytes"] == pytest.approx(expected, rel=0.001)
 
 
-def test_parallel_trials_are_not_predicted():
-    assert (
-        estimate_peak(parse_spec(spec("ddp:2", batch_size=16)).trials()[0], torch.device("cpu"))
-        is None
-    )
+def test_adafactor_prediction_matches_the_measured_peak():
+    """Adafactor's step reads values (.item()); the estimator answers them and still agrees."""
+    result = run_trial(parse_spec(spec("adafactor", batch_size=32)).trials()[0])
+    assert result["metrics"]["prediction_ratio"] == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp:2", "fsdp:2"])
+def test_data_parallel_prediction_within_10_percent(tmp_path, parallel):
+    """Rank 0 of 2 predicted on torch's fake process group vs two real gloo ranks."""
+    config = parse_spec(spec(parallel, "gpt", GPT8, batch_size=16)).trials()[0]
+    result = launch_trial(config, tmp_path, timeout_s=300)
+    assert result["status"] == "ok", result["failure_reason"]
+    assert result["metrics"]["prediction_ratio"] == pytest.approx(1.0, abs=0.10)
+
+
+def test_adam8bit_says_why_it_is_not_predicted():
+    prediction = estimate_peak(parse_spec(spec("adam8bit")).trials()[0], torch.device("cpu"))
+    assert list(prediction) == ["unpredictable"]
+    assert prediction["unpredictable"].startswith("adam8bit: its step is compiled code")
+
+
+def test_cuda_target_without_a_gpu_is_accounted_in_512_byte_blocks():
+    config = parse_spec(spec(batch_size=8)).trials()[0]
+    on_cpu = estimate_peak(config, torch.device("cpu"))
+    as_cuda = estimate_peak(config, torch.device("cpu"), as_cuda=True)
+    assert as_cuda["predicted_peak_bytes"] % 512 == 0
+    # The MLP's biases and the step counters are far below a block: rounding must add bytes.
+    assert as_cuda["predicted_peak_bytes"] > on_cpu["predicted_peak_bytes"]
+    assert as_cuda["predicted_model_state_bytes"] % 512 == 0
+    # Outside the estimate, CPU storages are counted as they are again.
+    assert estimate_peak(config, torch.device("cpu")) == on_cpu
 
 
 def test_estimate_cli_prints_a_row_per_grid_point(tmp_path):

@@ -9,14 +9,18 @@ breakdown. The tracker slows steps several times, which is why timing runs in it
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.distributed._tools import mem_tracker
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
+_round_every_device = False  # set by cuda_accounting()
 
 
 @dataclass(frozen=True)
@@ -35,22 +39,54 @@ class MemoryReading:
 
 def allocated_bytes(size: int, device: torch.device) -> int:
     """What a storage of ``size`` bytes takes on ``device`` (CUDA rounds up to its block)."""
-    return -(-size // CUDA_BLOCK) * CUDA_BLOCK if device.type == "cuda" else size
+    if device.type == "cuda" or _round_every_device:
+        return -(-size // CUDA_BLOCK) * CUDA_BLOCK
+    return size
+
+
+@contextlib.contextmanager
+def cuda_accounting() -> Iterator[None]:
+    """Count every storage as CUDA's caching allocator would (512-byte blocks), whatever its
+    device: a CUDA trial predicted where there is no GPU runs CPU kernels but must be accounted
+    as CUDA. ``MemTracker`` decides the rounding per storage by device type in a private
+    helper, which is why that one method is swapped for the duration."""
+    global _round_every_device
+    info = mem_tracker._WeakRefInfo
+    original = info._calculate_mem_consumed
+
+    def rounded(self: Any) -> int:
+        return allocated_bytes(self.size * self.element_size, torch.device("cuda"))
+
+    info._calculate_mem_consumed = rounded
+    _round_every_device = True
+    try:
+        yield
+    finally:
+        info._calculate_mem_consumed = original
+        _round_every_device = False
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held by these tensors' storages on this rank, each storage once."""
+    seen: dict[int, int] = {}
+    for value in tensors:
+        if hasattr(value, "to_local"):  # a sharded DTensor (FSDP): this rank's shard
+            value = value.to_local()
+        # Tensor subclasses (torchao's 8-bit state) keep their bytes in inner tensors.
+        for storage in get_untyped_storages(value):
+            key = storage._cdata  # the StorageImpl: one per storage, fake ones too
+            seen[key] = allocated_bytes(storage.nbytes(), value.device)
+    return sum(seen.values())
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's persistent state (moments, step counters), each storage once."""
-    seen: dict[int, int] = {}
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                if hasattr(value, "to_local"):  # a sharded DTensor (FSDP): this rank's shard
-                    value = value.to_local()
-                # Tensor subclasses (torchao's 8-bit state) keep their bytes in inner tensors.
-                for storage in get_untyped_storages(value):
-                    key = storage._cdata  # the StorageImpl: one per storage, fake ones too
-                    seen[key] = allocated_bytes(storage.nbytes(), value.device)
-    return sum(seen.values())
+    """Bytes of the optimizer's persistent state (moments, step counters)."""
+    return storage_bytes(
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
 
 
 class MemoryWindow:

@@ -29,12 +29,17 @@ class TrialContext:
     device: torch.device
     dtype: str  # the grid's dtype axis: fp32 | bf16 | fp16 (autocast)
     family: str
-    data: Any  # harness.workloads.tensors.SplitData (CPU tensors)
+    data: Any  # harness.workloads.tensors.SplitData (CPU tensors); None while estimating
     batch_size: int
     # Filled by the loop for after_training hooks: evaluates a model on the held-out split and
     # returns {"accuracy": ..., "eval_loss": ...}.
     evaluate: Any = None
     notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def estimating(self) -> bool:
+        """True when the step runs on fake tensors to predict memory (no data, no peers)."""
+        return self.data is None
 
 
 class Strategy:

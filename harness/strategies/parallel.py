@@ -32,9 +32,20 @@ class Ddp(Strategy):
         from torch.nn.parallel import DistributedDataParallel
 
         _require_group("ddp")
-        if ctx.device.type == "cuda":
-            return DistributedDataParallel(model, device_ids=[ctx.device.index])
-        return DistributedDataParallel(model)
+        # The start-up check that all replicas are equal reads parameter values, which the
+        # estimator's fake tensors do not have; it allocates nothing that lasts.
+        init_sync = not ctx.estimating
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(
+            model, device_ids=device_ids, init_sync=init_sync, find_unused_parameters=ctx.estimating
+        )
+        if ctx.estimating:
+            # No peers: the bucket is "all-reduced" where it lies (in place, as the real
+            # all-reduce is), so the gradient buckets cost what they cost in training.
+            from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+            wrapped.register_comm_hook(None, noop_hook)
+        return wrapped
 
 
 class Fsdp(Strategy):
@@ -46,7 +57,12 @@ class Fsdp(Strategy):
         from torch.distributed.fsdp import fully_shard
 
         _require_group("fsdp")
-        mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        # The mesh is a small table of rank numbers that is searched by value: keep it a real
+        # tensor when the estimator runs this on fake ones.
+        with _disable_current_modes():
+            mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
         try:
             sites = block_sites(model)
         except ValueError:

@@ -6,44 +6,104 @@ and device and no storage, so a 7B-parameter model costs nothing to "train". ``M
 accounts the fake storages as it accounts real ones (and rounds CUDA blocks to 512 B), so the
 prediction and the CPU measurement share one accounting.
 
-Not predicted (``None``): ``ddp``/``fsdp`` (need a process group), ``adam8bit`` (compiled
-kernels), and any trial whose code reads a tensor's value (data-dependent control flow).
-``compile`` is predicted eagerly, which is also what the memory window measures.
+Two things fake tensors lack are supplied:
+
+- values: a step that reads a scalar (``.item()``, e.g. Adafactor's step count and parameter
+  norm) gets 1 (``True`` for a flag), since memory does not depend on it;
+- other ranks: ``ddp:N``/``fsdp:N`` run rank 0 of N against torch's "fake" process group, whose
+  collectives return at once, so sharding, all-gather buffers and gradient buckets are those
+  of the real run.
+
+Not predicted: ``adam8bit`` (its step is compiled code, which cannot run on fake tensors) and any
+trial whose tensor *shapes* depend on values (``nonzero``, boolean masks). ``compile`` is
+predicted eagerly, which is also what the memory window measures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.meters.memory import MemoryWindow, allocated_bytes, optimizer_state_bytes
-from harness.strategies import build_strategies, parse_term
+from harness.meters.memory import (
+    MemoryWindow,
+    cuda_accounting,
+    optimizer_state_bytes,
+    storage_bytes,
+)
+from harness.strategies import build_strategies, parse_term, world_size
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
-UNPREDICTABLE = {"ddp", "fsdp", "adam8bit"}
+UNPREDICTABLE = {"adam8bit": "its step is compiled code, which cannot run on fake tensors"}
 EAGER_ONLY = {"compile"}
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
 
 
-def estimate_peak(config: TrialConfig, device: torch.device) -> dict[str, Any] | None:
-    """``predicted_peak_bytes`` and the predicted breakdown, or ``None`` if not predictable."""
+class ValuesReadAsOne(TorchDispatchMode):
+    """Answers a fake tensor's ``.item()`` with 1 instead of failing (see the module notes)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            if tensor.dtype == torch.bool:
+                return True
+            return 1.0 if tensor.is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_process_group(ranks: Ranks) -> Iterator[None]:
+    """Rank 0 of ``ranks.size`` with no peers: torch's "fake" backend completes every collective
+    without communicating. Must not meet a real group (the trial predicts before joining one)."""
+    if not ranks.distributed:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a multi-rank trial must be predicted before its process group starts")
+    # Importing it registers the "fake" backend (torch's own tests and tools use it so).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks.size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def estimate_peak(
+    config: TrialConfig, device: torch.device, as_cuda: bool = False
+) -> dict[str, Any]:
+    """``predicted_peak_bytes`` and the predicted breakdown, or ``{"unpredictable": why}``.
+
+    ``as_cuda``: run on ``device``'s kernels (the CPU) but account storages as CUDA allocates
+    them, for a CUDA target predicted on a machine without a GPU. A multi-rank trial is predicted for rank 0, which holds the largest slice of each batch;
+    every rank computes the same prediction, so all take the same feasibility decision.
+    """
     names = {parse_term(term)[0] for term in config.strategy}
-    if names & UNPREDICTABLE:
-        return None
+    for name in sorted(names & UNPREDICTABLE.keys()):
+        return {"unpredictable": f"{name}: {UNPREDICTABLE[name]}"}
     from harness.trial.loop import Trial
 
     trial = Trial(config)
     trial.strategies = [s for s in build_strategies(config.strategy) if s.name not in EAGER_ONLY]
-    trial.ranks = Ranks()
+    trial.ranks = Ranks(rank=0, size=world_size(config.strategy))
     trial.device = device
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with (
+            cuda_accounting() if as_cuda else contextlib.nullcontext(),
+            fake_process_group(trial.ranks),
+            FakeTensorMode(allow_non_fake_inputs=True),
+            ValuesReadAsOne(),
+        ):
             info = describe_dataset(config.dataset, trial.data_options())
             trial.build(info, None)
             shape = (config.batch_size, *info.input_shape)
@@ -70,6 +130,10 @@ def estimate_peak(config: TrialConfig, device: torch.device) -> dict[str, Any] |
             with window:
                 for x, y in staged:
                     trial.train_step(x, y)
+            # This rank's parameters + one gradient each + the optimizer's persistent state.
+            model_state = 2 * storage_bytes(trial.model.parameters()) + optimizer_state_bytes(
+                trial.optimizer
+            )
     except Exception as error:  # data-dependent code cannot run on fake tensors
         return {"unpredictable": f"{type(error).__name__}: {error}".splitlines()[0][:200]}
     assert window.reading is not None
@@ -77,13 +141,7 @@ def estimate_peak(config: TrialConfig, device: torch.device) -> dict[str, Any] |
     prediction = {"predicted_peak_bytes": reading.pop("peak_allocated_bytes")}
     prediction.update({f"predicted_{key}": value for key, value in reading.items()})
     prediction["num_params"] = trial.metrics["num_params"]
-    # Parameters + one gradient each + the optimizer's persistent state, whatever the moment.
-    param_bytes = sum(
-        allocated_bytes(p.untyped_storage().nbytes(), device) for p in trial.model.parameters()
-    )
-    prediction["predicted_model_state_bytes"] = 2 * param_bytes + optimizer_state_bytes(
-        trial.optimizer
-    )
+    prediction["predicted_model_state_bytes"] = model_state
     return prediction
 
 
@@ -124,6 +182,8 @@ def closed_form(config: TrialConfig, num_params: float, knobs: dict[str, int]) -
         optimizer = "sgd_momentum"
     state = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4, "adam8bit": 2, "adafactor": 0}
     scale = 0.5 if any(n == "bf16_params" for n, _ in names) else 1.0
+    if any(n == "fsdp" for n, _ in names):  # per rank: a 1/N shard of everything
+        scale /= world_size(config.strategy)
     out = {"closed_form_model_state_bytes": num_params * (8 + state[optimizer]) * scale}
     if {"n_layer", "d_model", "n_head", "seq_len"} <= knobs.keys():
         s, b, h, a = knobs["seq_len"], config.batch_size, knobs["d_model"], knobs["n_head"]
@@ -134,6 +194,15 @@ def closed_form(config: TrialConfig, num_params: float, knobs: dict[str, int]) -
         )
         out["korthikanti_activation_bytes"] = math.ceil(per_layer * knobs["n_layer"])
     return out
+
+
+def device_note(config: TrialConfig, as_cuda: bool) -> str:
+    """Which device-specific choices the prediction made, so a reader can judge it."""
+    foreach = bool(config.optimizer.get("foreach", False))
+    choices = f"optimizer foreach={foreach} fused=False (fixed, as in training)"
+    if as_cuda:
+        return f"cuda target on CPU kernels (no GPU here): 512-B block rounding; {choices}"
+    return choices
 
 
 def main(argv: list[str]) -> int:
@@ -150,22 +219,28 @@ def main(argv: list[str]) -> int:
 
     request = json.loads(Path(argv[0]).read_text())
     device = torch.device(request["device"])
-    note = ""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        # Autograd's engine needs a real CUDA runtime even for fake CUDA tensors.
-        device, note = torch.device("cpu"), "cuda predicted with CPU kernels (no GPU here)"
+    # Autograd's engine needs a real CUDA runtime even for fake CUDA tensors: without a GPU,
+    # CPU kernels run and storages are accounted as CUDA allocates them.
+    as_cuda = device.type == "cuda" and not torch.cuda.is_available()
+    if as_cuda:
+        device = torch.device("cpu")
     rows = []
     for data in request["configs"]:
         config = TrialConfig.from_dict(data)
         started = time.perf_counter()
-        prediction = estimate_peak(config, device) or {"unpredictable": "ddp/fsdp/adam8bit"}
-        row = {"trial_key": config.trial_key, **prediction, "note": note}
+        prediction = estimate_peak(config, device, as_cuda)
+        row = {"trial_key": config.trial_key, **prediction, "note": device_note(config, as_cuda)}
         if "num_params" in prediction:
             knobs = resolve_knobs(config.model_family, config.model_knobs)
             row.update(closed_form(config, prediction["num_params"], knobs))
         row["estimate_seconds"] = time.perf_counter() - started
         rows.append(row)
-        print(f"estimated {len(rows)}/{len(request['configs'])}", flush=True)
+        print(
+            f"estimated {len(rows)}/{len(request['configs'])}: {config.model_size} "
+            f"batch {config.batch_size} {config.dtype} {config.strategy_text} "
+            f"({row['estimate_seconds']:.1f} s)",
+            flush=True,
+        )
     Path(argv[1]).write_text(json.dumps(rows))
     return 0
 

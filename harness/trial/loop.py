@@ -80,14 +80,16 @@ class Trial:
         for strategy in self.strategies:  # allocator settings must precede the first CUDA call
             os.environ.update(strategy.environment())
         self.ranks = ranks = Ranks.from_env()
-        self.device = device = ranks.start(resolve_device(cfg.device))
+        target = resolve_device(cfg.device)
+        # Before joining the process group: a multi-rank estimate runs on a fake group of its own.
+        self.predict(target)
+        self.device = device = ranks.start(target)
         self.info.update(
             device=str(device),
             device_name=device_name(device),
             torch_threads=torch.get_num_threads(),
         )
         emulate_card(device, cfg.device_memory_bytes)
-        self.predict(device)
         seed_everything(cfg.seed)
         data = load_dataset(cfg.dataset, self.data_options(), cfg.seed)
         self.build(data.info, data)
@@ -154,8 +156,8 @@ class Trial:
         from harness.trial.estimate import estimate_peak, host_guard
 
         prediction = estimate_peak(self.config, device)
-        if prediction is None or "unpredictable" in prediction:
-            self.info["prediction"] = (prediction or {}).get("unpredictable", "not predicted")
+        if "unpredictable" in prediction:
+            self.info["prediction"] = prediction["unpredictable"]
             return
         self.metrics["predicted_peak_bytes"] = prediction["predicted_peak_bytes"]
         budget = self.config.device_memory_bytes
