@@ -58,12 +58,24 @@ def validate(specs: tuple[Path, ...]) -> None:
     help="Start a new sweep even if this spec already ran (earlier runs stay in MLflow).",
 )
 @click.option("--dry-run", is_flag=True, help="List the planned trials and exit.")
-def sweep(spec_path: Path, fresh: bool, dry_run: bool) -> None:
-    """Run every trial of SPEC (each in its own process) and record them in MLflow.
+@click.option(
+    "--n-trials",
+    type=click.IntRange(min=1),
+    default=None,
+    help="search.method optuna only: run this many trials more than are recorded already.",
+)
+def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None) -> None:
+    """Run the trials of SPEC (each in its own process) and record them in MLflow.
 
-    Running the same SPEC again resumes: recorded trials are kept and not re-run.
+    Grid: every point. Optuna: search.n_trials points chosen by the sampler. Running the same
+    SPEC again resumes: recorded trials are kept and never re-run.
     """
     spec = load_spec(spec_path)
+    if n_trials is not None and spec.search.method != "optuna":
+        raise SpecError(
+            f"{spec_path}: --n-trials needs search.method: optuna (this spec is a grid that "
+            "runs all its points)"
+        )
     console = make_console()
     if dry_run:
         for index, point in enumerate(spec.points(), start=1):
@@ -73,7 +85,7 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool) -> None:
     from harness.sweep import run_sweep
 
     try:
-        outcome = run_sweep(spec, console, fresh=fresh)
+        outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials)
     except KeyboardInterrupt:
         console.print(
             "\nInterrupted. Finished trials are recorded; run the same command to resume."

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import itertools
+import math
 import re
 import types
 import typing
@@ -263,8 +264,29 @@ DEFAULT_OBJECTIVES = [
 
 
 class SearchSpec(Strict):
-    method: Literal["grid"] = "grid"
+    """``grid`` runs every point; ``optuna`` lets a multi-objective sampler pick ``n_trials`` of
+    them (the grid's axes are its search space), learning from each result."""
+
+    method: Literal["grid", "optuna"] = "grid"
+    sampler: Literal["tpe", "nsga2", "nsga3", "random"] = "tpe"
+    n_trials: int | None = Field(None, ge=1)
     objectives: list[ObjectiveSpec] = Field(DEFAULT_OBJECTIVES, min_length=1)
+
+    @model_validator(mode="after")
+    def optuna_settings(self) -> SearchSpec:
+        if self.method == "grid":
+            for key in ("sampler", "n_trials"):
+                if key in self.model_fields_set:
+                    raise FieldProblem([key], "only applies to method: optuna (this is grid)")
+        elif self.n_trials is None:
+            raise FieldProblem(
+                ["n_trials"], "required with method: optuna (how many trials to run)"
+            )
+        metrics = [o.metric for o in self.objectives]
+        for index, metric in enumerate(metrics):
+            if metrics.index(metric) != index:
+                raise FieldProblem(["objectives", index, "metric"], f"{metric!r} is listed twice")
+        return self
 
 
 def _seconds(value: Any) -> float:
@@ -342,6 +364,17 @@ class Spec(Strict):
                     strategies.check_context(terms, dtype, self.model.family, device, batch_size)
                 except ValueError as error:
                     raise FieldProblem(["grid", "strategy", index], str(error)) from None
+        return self
+
+    @model_validator(mode="after")
+    def search_fits_the_grid(self) -> Spec:
+        size = math.prod(len(values) for values in self.axes().values())
+        if self.search.n_trials is not None and self.search.n_trials > size:
+            raise FieldProblem(
+                ["search", "n_trials"],
+                f"{self.search.n_trials} exceeds the grid's {size} points "
+                "(use method: grid to run them all)",
+            )
         return self
 
     @property

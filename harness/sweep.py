@@ -53,7 +53,9 @@ def sweep_params(spec: Spec) -> dict[str, str]:
     }
 
 
-def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome:
+def run_sweep(
+    spec: Spec, console: Console, fresh: bool = False, more_trials: int | None = None
+) -> SweepOutcome:
     results_dir = Path(spec.tracking.results_dir)
     experiment_dir = results_dir / spec.experiment
     study = search.open_study(spec, fresh=fresh)
@@ -75,25 +77,34 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
     if spec._source:
         tracker.client.log_artifact(parent, spec._source, artifact_path="spec")
 
-    points = spec.points()
     tracker.discard_unfinished_trials(parent)  # each also left a stale study trial, counted above
-    recorded = tracker.recorded_trials(parent)
-    planned = [(point, spec.trial_config(point)) for point in points]
-    pending = [(point, config) for point, config in planned if config.trial_key not in recorded]
-    outcome = SweepOutcome(spec.experiment, parent, len(points), len(points) - len(pending))
+    recorded = set(tracker.recorded_trials(parent))
+    to_run = search.trials_to_run(spec, len(recorded), more_trials)
+    total = len(recorded) + to_run
+    outcome = SweepOutcome(spec.experiment, parent, total, len(recorded))
     if outcome.already_recorded or interrupted:
         console.print(
-            f"Resuming sweep {parent[:8]}: {outcome.already_recorded} of {len(points)} trials already "
+            f"Resuming sweep {parent[:8]}: {outcome.already_recorded} of {total} trials already "
             f"recorded{f', {interrupted} interrupted trial(s) will re-run' if interrupted else ''}."
         )
-    if not pending:
-        console.print("Nothing left to run. Use --fresh to start a new sweep of this spec.")
+    if not to_run:
+        hint = (
+            "Use --fresh to start a new sweep of this spec."
+            if spec.search.method == "grid" or len(recorded) >= len(spec.points())
+            else "Use --n-trials N to run N more, or --fresh to start a new sweep."
+        )
+        console.print(f"Nothing left to run. {hint}")
         tracker.close_sweep(parent, status_counts(tracker.recorded_trials(parent)))
         return outcome
 
+    searched = (
+        ""
+        if spec.search.method == "grid"
+        else f", chosen by Optuna's {spec.search.sampler} sampler from {len(spec.points())} points"
+    )
     console.print(
-        f"Sweep [bold]{spec.experiment}[/]: {len(pending)} trial(s) to run, each in its own process "
-        f"(timeout {spec.limits.trial_timeout:g}s). MLflow: {spec.tracking.mlflow_uri}"
+        f"Sweep [bold]{spec.experiment}[/]: {to_run} trial(s) to run{searched}, each in its own "
+        f"process (timeout {spec.limits.trial_timeout:g}s). MLflow: {spec.tracking.mlflow_uri}"
     )
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -106,13 +117,11 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
     )
     try:
         with progress:
-            task = progress.add_task(
-                "starting", total=len(points), completed=outcome.already_recorded
-            )
-            for index, (point, config) in enumerate(pending, start=outcome.already_recorded + 1):
+            task = progress.add_task("starting", total=total, completed=outcome.already_recorded)
+            plan = search.SearchPlan(study, spec, recorded, to_run)
+            for index, (trial, point, config) in enumerate(plan, start=len(recorded) + 1):
                 label = trial_label(point)
-                progress.update(task, description=f"trial {index}/{len(points)}: {label}")
-                trial = search.ask(study, spec, point)
+                progress.update(task, description=f"trial {index}/{total}: {label}")
                 started_ms = int(time.time() * 1000)
                 result = run_with_retries(
                     spec, config, experiment_dir / "trials" / config.trial_key
@@ -127,7 +136,7 @@ def run_sweep(spec: Spec, console: Console, fresh: bool = False) -> SweepOutcome
                 )
                 search.tell(study, trial, spec, result, run_id)
                 progress.console.print(
-                    f"[{index}/{len(points)}] {label:<28} {describe(result)}  "
+                    f"[{index}/{total}] {label:<28} {describe(result)}  "
                     f"[{result.get('wall_time_s', 0):.1f}s]",
                     soft_wrap=True,
                     markup=False,

@@ -123,6 +123,30 @@ BAD_SPECS = [
         "did you mean 'throughput'",
     ),
     (lambda d: d.update(search={"method": "bayes"}), "search.method", "grid"),
+    (lambda d: d.update(search={"method": "optuna"}), "search.n_trials", "required"),
+    (
+        lambda d: d.update(search={"method": "optuna", "n_trials": 2, "sampler": "tpee"}),
+        "search.sampler",
+        "did you mean 'tpe'",
+    ),
+    (lambda d: d.update(search={"sampler": "tpe"}), "search.sampler", "only applies"),
+    (
+        lambda d: d.update(search={"method": "optuna", "n_trials": 5}),
+        "search.n_trials",
+        "exceeds the grid's 1 points",
+    ),
+    (
+        lambda d: d.update(
+            search={
+                "objectives": [
+                    {"metric": "throughput", "direction": "maximize"},
+                    {"metric": "throughput", "direction": "minimize"},
+                ]
+            }
+        ),
+        "search.objectives[1].metric",
+        "listed twice",
+    ),
     (lambda d: d["measure"].update(warmup_steps=0), "measure.warmup_steps", "at least 1"),
     (lambda d: d.update(limits={"trial_timeout": "soon"}), "limits.trial_timeout", "duration"),
     (lambda d: d["grid"].update(batch_size="32"), "grid.batch_size", "must be a list"),

@@ -1,0 +1,94 @@
+"""Optuna search: what each trial tells the sampler, and a search that resumes and grows."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from harness.results import load
+from harness.search import memory_constraint, objective_values, trials_to_run
+from harness.spec import parse_spec
+from tests.conftest import BASE_SPEC, run_cli, write_spec
+
+
+def spec_with(**search):
+    data = {**BASE_SPEC, "device_memory": "1MiB", "search": search}
+    return parse_spec(data)
+
+
+def test_over_budget_trials_tell_real_memory_and_zero_delivery():
+    spec = spec_with()
+    infeasible = {"status": "infeasible", "metrics": {"predicted_peak_bytes": 3 * 2**20}}
+    assert objective_values(spec, infeasible) == [3 * 2**20, 0.0, 0.0]
+    assert memory_constraint(spec, infeasible) == pytest.approx(2.0)
+    ok = {
+        "status": "ok",
+        "metrics": {"peak_allocated_bytes": 2**19, "throughput": 10.0, "accuracy": 0.5},
+    }
+    assert objective_values(spec, ok) == [2**19, 10.0, 0.5]
+    assert memory_constraint(spec, ok) == pytest.approx(-0.5)
+
+
+def test_trials_without_values_are_failures():
+    spec = spec_with()
+    assert objective_values(spec, {"status": "crash", "metrics": {}}) is None
+    partial = {"status": "diverged", "metrics": {"peak_allocated_bytes": 1.0, "throughput": 2.0}}
+    assert objective_values(spec, partial) is None
+
+
+def test_an_oom_without_a_prediction_is_at_least_the_budget():
+    spec = spec_with()
+    assert objective_values(spec, {"status": "oom", "metrics": {}}) == [2**20, 0.0, 0.0]
+    assert memory_constraint(spec, {"status": "oom", "metrics": {}}) > 0
+
+
+def test_how_many_trials_a_run_adds():
+    grid = parse_spec({**BASE_SPEC, "grid": {**BASE_SPEC["grid"], "batch_size": [8, 16, 32]}})
+    assert trials_to_run(grid, recorded=1, more=None) == 2
+    data = {**BASE_SPEC, "grid": {**BASE_SPEC["grid"], "batch_size": [8, 16, 32, 64]}}
+    optuna_spec = parse_spec({**data, "search": {"method": "optuna", "n_trials": 2}})
+    assert trials_to_run(optuna_spec, recorded=0, more=None) == 2
+    assert trials_to_run(optuna_spec, recorded=2, more=None) == 0
+    assert trials_to_run(optuna_spec, recorded=2, more=1) == 1
+    assert trials_to_run(optuna_spec, recorded=3, more=5) == 1  # the grid has 4 points
+
+
+@pytest.mark.slow
+def test_optuna_search_runs_n_trials_then_adds_more_without_repeats(tmp_path):
+    data = {
+        **BASE_SPEC,
+        "name": "searched",
+        "model": {"family": "mlp", "sizes": {"a": {"width": 16, "depth": 1}}},
+        "grid": {"batch_size": [8, 16, 32, 64], "dtype": ["fp32", "bf16"], "strategy": ["none"]},
+        "train": {**BASE_SPEC["train"], "budget": {"steps": 6}},
+        "search": {"method": "optuna", "sampler": "tpe", "n_trials": 3},
+    }
+    path = write_spec(tmp_path, data)
+    first = run_cli("sweep", str(path), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = run_cli("sweep", str(path), cwd=tmp_path)
+    assert "Nothing left to run" in again.stdout
+    more = run_cli("sweep", str(path), "--n-trials", "2", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr
+    assert "3 of 5 trials already recorded" in more.stdout
+
+    frame = load("searched", f"sqlite:///{tmp_path}/results/mlflow.db")
+    assert len(frame) == 5
+    assert frame["trial_key"].is_unique
+    assert set(frame["status"]) == {"ok"}
+    storage = f"sqlite:///{tmp_path}/results/optuna.db"
+    (name,) = optuna.get_all_study_names(storage)
+    study = optuna.load_study(study_name=name, storage=storage)
+    measured = [t for t in study.trials if "repeat_of" not in t.user_attrs]
+    assert len(measured) == 5
+    assert {t.user_attrs["trial_key"] for t in measured} == set(frame["trial_key"])
+    # No device_memory in this spec: every ok trial is feasible (constraint 0).
+    assert all(t.constraints == {"memory": 0.0} for t in measured)
+
+
+def test_n_trials_flag_on_a_grid_spec_is_refused(tmp_path):
+    path = write_spec(tmp_path, BASE_SPEC)
+    done = run_cli("sweep", str(path), "--n-trials", "2", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--n-trials needs search.method: optuna" in done.stderr
+    assert "Traceback" not in done.stderr
