@@ -1,4 +1,5 @@
-"""The ``harness`` command line: validate, sweep, results."""
+"""The ``harness`` command line: validate, estimate, sweep, results (and, from analysis_cli,
+pareto, recommend, report)."""
 
 from __future__ import annotations
 
@@ -283,3 +284,13 @@ def results(
             out.write_text(text)
     if out is not None:
         click.echo(f"wrote {len(frame)} trials to {out}", err=True)
+
+
+def _register_analysis_commands() -> None:
+    from harness.analysis_cli import pareto, recommend, report
+
+    for command in (pareto, recommend, report):
+        main.add_command(command)
+
+
+_register_analysis_commands()

@@ -6,6 +6,7 @@ table. MLflow stays the source of truth: nothing here caches or copies results.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -132,6 +133,38 @@ def load(
     filter_string = role if sweep == "all" else f"{role} and tags.`{PARENT_TAG}` = '{parent}'"
     runs = all_runs(client, [experiment_id], filter_string, ["attributes.start_time ASC"])
     return to_frame(runs)
+
+
+@dataclass
+class Sweep:
+    """A sweep's trials plus what its parent run knows (name, budget, objectives)."""
+
+    frame: pd.DataFrame
+    experiment: str
+    parent_run_id: str
+    params: dict[str, str]
+    tracking_uri: str
+
+    @property
+    def device_memory(self) -> float | None:
+        value = self.params.get("device_memory_bytes")
+        return float(value) if value else None
+
+
+def load_sweep(
+    experiment: str | None = None,
+    tracking_uri: str = DEFAULT_TRACKING_URI,
+    sweep: str = "latest",
+) -> Sweep:
+    """Like ``load``, with the sweep's parent run (for ``sweep="all"``: the latest one)."""
+    frame = load(experiment, tracking_uri, sweep)
+    client = _client(tracking_uri)
+    if sweep in ("latest", "all"):
+        _, parent = find_sweep(client, experiment)
+    else:
+        parent = client.get_run(sweep)
+    name = client.get_experiment(parent.info.experiment_id).name
+    return Sweep(frame, name, parent.info.run_id, dict(parent.data.params), tracking_uri)
 
 
 def to_frame(runs: list[Any]) -> pd.DataFrame:

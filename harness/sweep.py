@@ -50,6 +50,12 @@ def sweep_params(spec: Spec) -> dict[str, str]:
         "budget": ",".join(f"{k}={v}" for k, v in spec.train.budget.as_dict().items()),
         "device": spec.device,
         "device_memory_bytes": str(spec.device_memory or ""),
+        "search_method": spec.search.method,
+        # What `harness pareto` compares by default, e.g. "peak_allocated_bytes:min,throughput:max".
+        "objectives": ",".join(
+            f"{o.metric}:{'max' if o.direction == 'maximize' else 'min'}"
+            for o in spec.search.objectives
+        ),
     }
 
 

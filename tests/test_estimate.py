@@ -67,6 +67,16 @@ def test_data_parallel_prediction_within_10_percent(tmp_path, parallel):
     assert result["metrics"]["prediction_ratio"] == pytest.approx(1.0, abs=0.10)
 
 
+@pytest.mark.slow
+def test_a_multi_rank_trial_predicted_over_budget_ends_on_every_rank(tmp_path):
+    """Predicted before the ranks join their group: all of them stop, none waits for another."""
+    data = spec("ddp:2", batch_size=16)
+    data["device_memory"] = "1KiB"
+    result = launch_trial(parse_spec(data).trials()[0], tmp_path, timeout_s=120)
+    assert result["status"] == "infeasible", result["failure_reason"]
+    assert "exceeds device_memory 1.00 KiB" in result["failure_reason"]
+
+
 def test_adam8bit_says_why_it_is_not_predicted():
     prediction = estimate_peak(parse_spec(spec("adam8bit")).trials()[0], torch.device("cpu"))
     assert list(prediction) == ["unpredictable"]

@@ -61,7 +61,9 @@ class Ranks:
         return tensor.chunk(self.size)[self.rank]
 
     def gather(self, value: Any) -> list[Any]:
-        if not self.distributed:
+        """Every rank's value; just this rank's before the group starts (a trial predicted
+        infeasible ends before joining it, every rank alike)."""
+        if not self.distributed or not dist.is_initialized():
             return [value]
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, value)

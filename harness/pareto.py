@@ -1,0 +1,220 @@
+"""Which trials are worth having: Pareto fronts, hypervolume, dominance, and budget advice.
+
+Works on the results table (``harness.results.load``), one row per trial. A trial is
+*feasible* when it finished ``ok``, has every objective, and its peak fits the memory budget
+(the sweep's ``device_memory`` unless another is given). Fronts and hypervolumes are computed by
+``moocore`` (non-dominated filtering and exact hypervolume, any number of objectives, mixed
+directions); this module decides what goes in and how it is scaled.
+
+Hypervolume is normalised so groups compare on one scale: each objective is mapped to [0, 1]
+over the feasible trials of the whole sweep (0 = best seen, 1 = worst seen), the reference point
+is 1.1 in every objective (10 % beyond the worst), and the volume is divided by the reference
+box's (1.1^k). 1.0 would be one trial best in everything at once; a group's share says how much
+of the sweep's best trade-off space its own front covers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import moocore
+import numpy as np
+import pandas as pd
+
+from harness.metrics import METRICS
+from harness.units import format_bytes
+
+REFERENCE = 1.1  # normalised reference point, per objective
+MEMORY = "peak_allocated_bytes"
+
+
+@dataclass(frozen=True)
+class Objective:
+    metric: str
+    direction: str  # "minimize" | "maximize"
+
+    @property
+    def maximise(self) -> bool:
+        return self.direction == "maximize"
+
+    def __str__(self) -> str:
+        return f"{self.metric}:{'max' if self.maximise else 'min'}"
+
+
+DEFAULT_OBJECTIVES = (
+    Objective(MEMORY, "minimize"),
+    Objective("throughput", "maximize"),
+    Objective("accuracy", "maximize"),
+)
+
+
+def parse_objectives(text: str) -> list[Objective]:
+    """``peak_allocated_bytes:min,throughput:max`` -> objectives; ``ValueError`` says what is
+    wrong (an unknown metric, a direction other than min/max)."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        metric, _, direction = item.partition(":")
+        if metric not in METRICS:
+            raise ValueError(f"unknown metric {metric!r} (allowed: {', '.join(METRICS)})")
+        words = {"min": "minimize", "minimize": "minimize", "max": "maximize"}
+        words["maximize"] = "maximize"
+        if direction not in words:
+            raise ValueError(f"{item!r}: give a direction, e.g. {metric}:min or {metric}:max")
+        out.append(Objective(metric, words[direction]))
+    if not out:
+        raise ValueError("name at least one objective, e.g. peak_allocated_bytes:min")
+    return out
+
+
+def feasible(frame: pd.DataFrame, objectives: list[Objective], budget: float | None) -> pd.Series:
+    """``ok`` trials with every objective measured and, given a budget, a peak within it."""
+    mask = frame["status"].eq("ok")
+    for objective in objectives:
+        mask &= frame[objective.metric].notna() if objective.metric in frame else False
+    if budget is not None and MEMORY in frame:
+        mask &= frame[MEMORY].le(budget).fillna(False)
+    return mask.astype(bool)
+
+
+def values(frame: pd.DataFrame, objectives: list[Objective]) -> np.ndarray:
+    return frame[[o.metric for o in objectives]].to_numpy(dtype=float)
+
+
+def non_dominated(frame: pd.DataFrame, objectives: list[Objective]) -> pd.Series:
+    """True for rows no other row dominates (ties and duplicates of a front point stay in)."""
+    if frame.empty:
+        return pd.Series([], dtype=bool, index=frame.index)
+    maximise = [o.maximise for o in objectives]
+    keep = moocore.is_nondominated(values(frame, objectives), maximise=maximise, keep_weakly=True)
+    return pd.Series(keep, index=frame.index)
+
+
+def bounds(frame: pd.DataFrame, objectives: list[Objective]) -> tuple[np.ndarray, np.ndarray]:
+    data = values(frame, objectives)
+    return data.min(axis=0), data.max(axis=0)
+
+
+def normalise(
+    frame: pd.DataFrame, objectives: list[Objective], low: np.ndarray, high: np.ndarray
+) -> np.ndarray:
+    """Every objective to "smaller is better" in [0, 1]: 0 the best value seen, 1 the worst."""
+    data = values(frame, objectives)
+    span = np.where(high > low, high - low, 1.0)  # one value seen: it is the best, 0
+    maximise = np.array([o.maximise for o in objectives])
+    return np.where(maximise, high - data, data - low) / span
+
+
+def hypervolume(points: np.ndarray) -> float:
+    """Share of the reference box dominated by ``points`` (already normalised, minimised)."""
+    if len(points) == 0:
+        return 0.0
+    k = points.shape[1]
+    return float(moocore.hypervolume(points, ref=[REFERENCE] * k)) / REFERENCE**k
+
+
+def dominates(a: np.ndarray, b: np.ndarray) -> bool:
+    """``a`` is no worse than ``b`` anywhere and better somewhere (both minimised)."""
+    return bool(np.all(a <= b) and np.any(a < b))
+
+
+def dominated_share(front_a: np.ndarray, front_b: np.ndarray) -> float:
+    """Share of ``front_b``'s points that some point of ``front_a`` dominates."""
+    if len(front_b) == 0:
+        return 0.0
+    hit = sum(any(dominates(a, b) for a in front_a) for b in front_b)
+    return hit / len(front_b)
+
+
+@dataclass
+class ParetoAnalysis:
+    objectives: list[Objective]
+    by: str | None
+    budget: float | None
+    front: pd.DataFrame  # the overall front: feasible, non-dominated trials
+    groups: pd.DataFrame  # per group: trials, feasible, front size, hypervolume
+    dominance: pd.DataFrame  # row A, column B: share of B's front that A's front dominates
+    feasible: pd.Series  # per trial of the input frame
+
+    @property
+    def reference(self) -> str:
+        return (
+            f"normalised per objective over the sweep's feasible trials (0 best, 1 worst); "
+            f"reference point {REFERENCE} in each; 1.0 = everything best at once"
+        )
+
+
+def analyse(
+    frame: pd.DataFrame,
+    objectives: list[Objective] | None = None,
+    by: str | None = None,
+    budget: float | None = None,
+) -> ParetoAnalysis:
+    """The overall front and, with ``by``, each group's front, hypervolume and dominance."""
+    objectives = list(objectives or DEFAULT_OBJECTIVES)
+    missing = [o.metric for o in objectives if o.metric not in frame.columns]
+    if by is not None and by not in frame.columns:
+        missing.append(by)
+    if missing:
+        raise ValueError(f"the results have no column {', '.join(map(repr, missing))}")
+    ok = feasible(frame, objectives, budget)
+    usable = frame[ok]
+    front = usable[non_dominated(usable, objectives)] if not usable.empty else usable
+    group_rows: list[dict[str, Any]] = []
+    fronts: dict[str, np.ndarray] = {}
+    if not usable.empty:
+        low, high = bounds(usable, objectives)
+        groups = [("all", frame)] if by is None else list(frame.groupby(by, sort=True))
+        for name, members in groups:
+            member_ok = members[ok.loc[members.index]]
+            member_front = member_ok[non_dominated(member_ok, objectives)]
+            points = normalise(member_front, objectives, low, high)
+            fronts[str(name)] = points
+            group_rows.append(
+                {
+                    "group": str(name),
+                    "trials": len(members),
+                    "feasible": len(member_ok),
+                    "front_size": len(member_front),
+                    "hypervolume": hypervolume(points),
+                }
+            )
+    groups_frame = pd.DataFrame(
+        group_rows, columns=["group", "trials", "feasible", "front_size", "hypervolume"]
+    )
+    names = list(fronts)
+    dominance = pd.DataFrame(
+        [[dominated_share(fronts[a], fronts[b]) for b in names] for a in names],
+        index=pd.Index(names, name="front A"),
+        columns=pd.Index(names, name="dominates share of front B"),
+    )
+    return ParetoAnalysis(objectives, by, budget, front, groups_frame, dominance, ok)
+
+
+def recommend(
+    frame: pd.DataFrame, budget: float, objective: str = "throughput", top: int = 2
+) -> pd.DataFrame:
+    """The best ``ok`` trials whose measured peak fits ``budget``, best first (ties: less memory).
+
+    Empty when nothing fits; the caller says so.
+    """
+    if objective not in frame.columns:
+        raise ValueError(f"the results have no column {objective!r}")
+    fits = frame[
+        frame["status"].eq("ok") & frame[MEMORY].le(budget).fillna(False) & frame[objective].notna()
+    ]
+    ranked = fits.sort_values([objective, MEMORY], ascending=[False, True])
+    return ranked.head(top)
+
+
+def gives_up(best: pd.Series, runner_up: pd.Series, objective: str) -> str:
+    """What choosing the runner-up instead of the best costs and saves, in words."""
+
+    def change(metric: str) -> str:
+        a, b = float(best[metric]), float(runner_up[metric])
+        return f"{(b - a) / a:+.1%}" if a else "n/a"
+
+    return (
+        f"{objective} {change(objective)}, peak memory {change(MEMORY)} "
+        f"({format_bytes(runner_up[MEMORY])} vs {format_bytes(best[MEMORY])})"
+    )
