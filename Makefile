@@ -11,7 +11,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 FORMAT ?= table
 
-.PHONY: install sweep results test test-fast lint ui clean
+.PHONY: install sweep results test test-fast bench lint ui clean
 
 install: $(STAMP)
 
@@ -34,9 +34,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks
+
 lint: $(STAMP)
-	$(BIN)/ruff check harness tests
-	$(BIN)/ruff format --check harness tests
+	$(BIN)/ruff check harness tests benchmarks
+	$(BIN)/ruff format --check harness tests benchmarks
 
 ui: $(STAMP)
 	@mkdir -p results

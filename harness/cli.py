@@ -79,6 +79,11 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None) -> 
         )
     console = make_console()
     if dry_run:
+        if spec.search.method == "optuna":
+            console.print(
+                f"search space: Optuna's {spec.search.sampler} sampler picks "
+                f"{spec.search.n_trials} of these {len(spec.points())} points"
+            )
         for index, point in enumerate(spec.points(), start=1):
             config = spec.trial_config(point)
             console.print(f"{index:>4}  {config.trial_key}  {point}")

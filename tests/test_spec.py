@@ -239,3 +239,30 @@ def test_readme_documents_every_strategy_family_dataset_and_metric():
     readme = (REPO / "README.md").read_text()
     for name in [*STRATEGIES, *FAMILIES, *DATASETS, *METRICS]:
         assert f"| `{name}" in readme, f"README has no table row for {name}"
+
+
+def test_every_malformed_spec_is_exit_2_and_one_line_from_the_cli(tmp_path, base_spec):
+    """The command itself (in process), on every malformed spec above plus broken files."""
+    import copy
+
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    paths = []
+    for index, (mutate, _, _) in enumerate(BAD_SPECS):
+        data = copy.deepcopy(base_spec)
+        mutate(data)
+        paths.append(write_spec(tmp_path, data, f"bad{index}.yaml"))
+    (tmp_path / "syntax.yaml").write_text("name: x\ngrid: [1, 2\n")
+    (tmp_path / "list.yaml").write_text("- just\n- a list\n")
+    (tmp_path / "empty.yaml").write_text("")
+    paths += [tmp_path / n for n in ("syntax.yaml", "list.yaml", "empty.yaml", "missing.yaml")]
+    assert len(paths) >= 25
+    runner = CliRunner()
+    for path in paths:
+        done = runner.invoke(main, ["validate", str(path)])
+        assert done.exit_code == 2, (path, done.output)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(str(path)), (path, done.stderr)
+        assert "Traceback" not in done.output

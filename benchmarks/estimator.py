@@ -1,0 +1,149 @@
+"""How good is ``harness estimate``? Issue 4's targets, measured side by side.
+
+1. Every trial of ``experiments/default.yaml`` and ``experiments/gpt_memory.yaml`` runs for
+   real on this machine with the spec's own warm-up and memory window (the peak does not depend
+   on how long training goes on after it, so the budget is cut to the measured steps), and its
+   in-trial prediction is compared with the measured ``peak_allocated_bytes``: the worst
+   ``predicted / measured`` is held to 0.9 .. 1.1.
+2. The 7B ``gpt`` preset (seq 2048, batch 1, Adam, bf16 autocast) is estimated in a fresh
+   process: wall time <= 60 s, peak RSS <= 4 GiB, model-state bytes within 1 % of the closed form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from benchmarks.figures import Figure, at_most, within
+from harness.launch import launch_trial
+from harness.spec import load_spec, parse_spec
+from harness.trial.config import TrialConfig
+from harness.units import format_bytes
+
+SPECS = ("experiments/default.yaml", "experiments/gpt_memory.yaml")
+SEVEN_B = {
+    "name": "bench-7b",
+    "model": {"family": "gpt", "sizes": {"7b": {"preset": "7b"}}},
+    "data": {"dataset": "text"},
+    "grid": {"batch_size": [1], "dtype": ["bf16"], "strategy": ["none"]},
+    "train": {"optimizer": {"name": "adam"}, "budget": {"steps": 1}},
+}
+
+
+def measured_only(config: TrialConfig) -> TrialConfig:
+    """The same trial, trained only through its memory window (plus one timed step)."""
+    steps = config.warmup_steps + config.memory_steps + 1
+    return dataclasses.replace(config, budget={"steps": steps}, timed_steps=1)
+
+
+def measure_spec(path: str, log: Callable[[str], None], workdir: Path) -> list[dict[str, Any]]:
+    """Every trial of the spec, two at a time: memory is counted per tensor, so sharing the
+    cores changes no byte (only the wall time, which this figure does not use)."""
+    trials = load_spec(path).trials()
+    done = 0
+
+    def measure(config: TrialConfig) -> dict[str, Any]:
+        nonlocal done
+        started = time.perf_counter()
+        result = launch_trial(measured_only(config), workdir / config.trial_key, 600)
+        row = {
+            "trial": f"{config.model_size} b{config.batch_size} {config.dtype} "
+            f"{config.strategy_text}",
+            "status": result["status"],
+            "ratio": result["metrics"].get("prediction_ratio"),
+        }
+        done += 1
+        log(
+            f"  {path} {done}/{len(trials)} {row['trial']}: {row['status']}, "
+            f"predicted/measured {row['ratio'] or float('nan'):.4f} "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
+        return row
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(measure, trials))
+
+
+def prediction_accuracy(log: Callable[[str], None], workdir: Path) -> list[Figure]:
+    figures = []
+    for path in SPECS:
+        rows = measure_spec(path, log, workdir)
+        ratios = [r["ratio"] for r in rows if r["status"] == "ok" and r["ratio"] is not None]
+        unpredicted = [r["trial"] for r in rows if r["status"] == "ok" and r["ratio"] is None]
+        worst = max(ratios, key=lambda r: abs(r - 1.0)) if ratios else float("nan")
+        figure = within(
+            f"estimate_worst_ratio[{Path(path).stem}]",
+            worst,
+            0.9,
+            1.1,
+            ok_trials=len([r for r in rows if r["status"] == "ok"]),
+            predicted=len(ratios),
+            unpredicted=unpredicted,
+            within_1_percent=sum(abs(r - 1) <= 0.01 for r in ratios),
+            trials=rows,
+        )
+        figure.met = figure.met and not unpredicted
+        figures.append(figure)
+    return figures
+
+
+def seven_b(log: Callable[[str], None], workdir: Path) -> list[Figure]:
+    config = parse_spec(SEVEN_B).trials()[0]
+    request, answer = workdir / "7b-in.json", workdir / "7b-out.json"
+    request.write_text(json.dumps({"device": "cpu", "configs": [config.to_dict()]}))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    seconds = time.perf_counter() - started
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
+    if rss <= before * 1024:
+        log("  (peak RSS of the estimate is bounded by an earlier, larger child process)")
+    row = json.loads(answer.read_text())[0]
+    state, closed = row["predicted_model_state_bytes"], row["closed_form_model_state_bytes"]
+    log(
+        f"  7B: {seconds:.1f} s ({row['estimate_seconds']:.1f} s after imports), peak RSS {format_bytes(rss)}, predicted peak "
+        f"{format_bytes(row['predicted_peak_bytes'])}, model state {format_bytes(state)} "
+        f"vs closed form {format_bytes(closed)}"
+    )
+    return [
+        at_most(
+            "estimate_7b_seconds",
+            seconds,
+            60,
+            "s",
+            note="wall time of a fresh `python -m harness.trial.estimate` (imports included)",
+            estimate_only_seconds=row["estimate_seconds"],
+        ),
+        at_most("estimate_7b_peak_rss_gib", rss / 2**30, 4, "GiB"),
+        within(
+            "estimate_7b_model_state_vs_closed_form",
+            state / closed,
+            0.99,
+            1.01,
+            predicted_peak_bytes=row["predicted_peak_bytes"],
+            num_params=row["num_params"],
+        ),
+    ]
+
+
+def run(log: Callable[[str], None]) -> list[Figure]:
+    with tempfile.TemporaryDirectory(prefix="harness-bench-") as folder:
+        workdir = Path(folder)
+        log("estimator: 7B preset in a fresh process")
+        figures = seven_b(log, workdir)
+        log("estimator: predicted vs measured peak, every trial of the shipped experiments")
+        figures += prediction_accuracy(log, workdir)
+    return figures
