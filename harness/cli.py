@@ -65,7 +65,15 @@ def validate(specs: tuple[Path, ...]) -> None:
     default=None,
     help="search.method optuna only: run this many trials more than are recorded already.",
 )
-def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None) -> None:
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run N trials at once in N worker processes sharing the study (one per GPU on a "
+    "multi-GPU host; on a CPU they distort throughput).",
+)
+def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None, workers: int) -> None:
     """Run the trials of SPEC (each in its own process) and record them in MLflow.
 
     Grid: every point. Optuna: search.n_trials points chosen by the sampler. Running the same
@@ -76,6 +84,10 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None) -> 
         raise SpecError(
             f"{spec_path}: --n-trials needs search.method: optuna (this spec is a grid that "
             "runs all its points)"
+        )
+    if n_trials is not None and workers > 1:
+        raise SpecError(
+            f"{spec_path}: --n-trials and --workers: add the extra trials in one worker"
         )
     console = make_console()
     if dry_run:
@@ -91,13 +103,47 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None) -> 
     from harness.sweep import run_sweep
 
     try:
-        outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials)
+        outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials, workers=workers)
     except KeyboardInterrupt:
         console.print(
             "\nInterrupted. Finished trials are recorded; run the same command to resume."
         )
         sys.exit(130)
     print_summary(console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id)
+
+
+@main.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--storage",
+    default=None,
+    help="Optuna storage shared by all workers (postgresql://..., journal:PATH); "
+    "default: the spec's tracking.storage.",
+)
+@click.option(
+    "--tracking-uri",
+    default=None,
+    help="MLflow tracking URI shared by all workers (e.g. http://host:5000); "
+    "default: the spec's tracking.mlflow_uri.",
+)
+def worker(spec_path: Path, storage: str | None, tracking_uri: str | None) -> None:
+    """Join SPEC's sweep from this process (any host) and run trials until none is left.
+
+    Start one per GPU host (e.g. from a SLURM array) against the same PostgreSQL storage and
+    MLflow tracking server; every grid point runs exactly once, on whichever worker claims it.
+    """
+    from harness.sweep import prepare, with_tracking, work
+
+    spec = with_tracking(load_spec(spec_path), storage=storage, mlflow_uri=tracking_uri)
+    console = make_console()
+    try:
+        state = prepare(spec, worker=True)
+        work(state, console, shuffle=True)
+    except KeyboardInterrupt:
+        console.print(
+            "\nInterrupted. Finished trials are recorded; start the worker again to go on."
+        )
+        sys.exit(130)
 
 
 def print_summary(console: Console, experiment: str, tracking_uri: str, parent_run_id: str) -> None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
+from harness import coordination
 from harness.spec import Spec, SpecError
 from harness.tracking import prepare_store
 from harness.trial.config import TrialConfig
@@ -66,22 +68,37 @@ def planned_grid_sampler(spec: Spec) -> Any:
     return PlannedGridSampler(spec.axes(), seed=spec.train.seed)
 
 
+def create_or_load(name: str, storage: Any, directions: list[str]) -> Any:
+    """``create_study(load_if_exists=True)``, retried: workers starting together on a new
+    PostgreSQL database race to create its tables and the study (an IntegrityError for all but
+    one of them), after which loading works."""
+    import optuna
+    from sqlalchemy.exc import SQLAlchemyError
+
+    for attempt in range(8):
+        try:
+            return optuna.create_study(
+                study_name=name, storage=storage, directions=directions, load_if_exists=True
+            )
+        except SQLAlchemyError:
+            if attempt == 7:
+                raise
+            time.sleep(random.uniform(0.2, 1.0) * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def open_study(spec: Spec, fresh: bool = False) -> Any:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    prepare_store(spec.tracking.storage)
+    prepare_store(spec.tracking.storage, lambda url: optuna.storages.RDBStorage(url))
+    storage = coordination.storage_for(spec.tracking.storage)
     name = study_name(spec)
     if fresh:
         with contextlib.suppress(KeyError):
-            optuna.delete_study(study_name=name, storage=spec.tracking.storage)
+            optuna.delete_study(study_name=name, storage=storage)
     directions = [objective.direction for objective in spec.search.objectives]
-    study = optuna.create_study(
-        study_name=name,
-        storage=spec.tracking.storage,
-        directions=directions,
-        load_if_exists=True,
-    )
+    study = create_or_load(name, storage, directions)
     study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
     wanted = [f"{o.metric}:{o.direction}" for o in spec.search.objectives]
     recorded = study.user_attrs.get("objectives")
@@ -95,23 +112,12 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
     return study
 
 
-def fail_stale_trials(study: Any) -> int:
-    """Trials left RUNNING by a sweep that was killed: mark them failed so their point re-runs."""
-    from optuna.trial import TrialState
-
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    for trial in stale:
-        study.tell(trial.number, state=TrialState.FAIL)
-    return len(stale)
-
-
-def ask(study: Any, spec: Spec, point: dict[str, Any]) -> Any:
-    """Start the study's trial for one grid point."""
+def ask(study: Any, spec: Spec, point: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Start a study trial for a grid point, and return the point it really got: with other
+    workers enqueueing too, ``ask`` may hand out another worker's enqueued point first."""
     study.enqueue_trial(point, skip_if_exists=False)
     trial = study.ask()
-    for axis, values in spec.axes().items():
-        trial.suggest_categorical(axis, values)
-    return trial
+    return trial, suggest_point(trial, spec)
 
 
 def objective_values(spec: Spec, result: dict[str, Any]) -> list[float] | None:
@@ -177,59 +183,109 @@ def suggest_point(trial: Any, spec: Spec) -> dict[str, Any]:
     return {axis: trial.suggest_categorical(axis, values) for axis, values in spec.axes().items()}
 
 
-class SearchPlan:
-    """The trials a sweep runs next: ``(optuna trial, grid point, config)`` one at a time.
+def active_keys(study: Any) -> set[str]:
+    """Points that are finished or being run by some worker (not abandoned, not dead)."""
+    from optuna.trial import TrialState
 
-    ``grid``: every point not yet recorded, in grid order. ``optuna``: ``to_run`` points that
-    the sampler proposes, skipping points already measured in this sweep. A proposal of a
-    measured point is answered with that point's recorded values at once (the sampler learns
-    the same from it) and counts for nothing; after ``MAX_REPEATS`` such proposals in a row an
-    unmeasured point is taken at random.
+    live = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)
+    return {
+        t.user_attrs["trial_key"]
+        for t in study.get_trials(deepcopy=False, states=live)
+        if "trial_key" in t.user_attrs
+        and "repeat_of" not in t.user_attrs
+        and not (t.user_attrs.get("abandoned") or t.user_attrs.get("stale"))
+    }
+
+
+def held_by_others(study: Any) -> bool:
+    """Whether another live worker is running a point of this sweep right now."""
+    from optuna.trial import TrialState
+
+    me = coordination.owner()
+    return any(
+        t.user_attrs.get("owner") not in (None, me)
+        and not (t.user_attrs.get("abandoned") or t.user_attrs.get("stale"))
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    )
+
+
+class SearchPlan:
+    """The trials a worker runs next: ``(optuna trial, grid point, config)`` one at a time.
+
+    ``grid``: every point that no worker has taken, in grid order (from a random place in it
+    when ``shuffle``, so parallel workers seldom reach for the same point). ``optuna``: points
+    the sampler proposes until ``target`` points are taken in all; a proposal of a point
+    already taken is answered with that point's recorded values at once (the sampler learns the
+    same from it) and counts for nothing; after ``MAX_REPEATS`` such proposals in a row an
+    untaken point is chosen at random. Every point is claimed before it is run
+    (``coordination.claim``), so racing workers never run one twice.
     """
 
-    def __init__(self, study: Any, spec: Spec, recorded: set[str], to_run: int) -> None:
+    def __init__(
+        self, study: Any, spec: Spec, recorded: set[str], target: int, shuffle: bool = False
+    ) -> None:
         self.study, self.spec = study, spec
-        self.measured = set(recorded)
-        self.to_run = to_run
+        self.recorded = set(recorded)
+        self.target = target
         self.random = random.Random(spec.train.seed + len(recorded))
         self.by_key = {spec.trial_config(point).trial_key: point for point in spec.points()}
+        self.shuffle = shuffle
+
+    def taken(self) -> set[str]:
+        return self.recorded | active_keys(self.study)
 
     def __iter__(self) -> Iterator[tuple[Any, dict[str, Any], TrialConfig]]:
         if self.spec.search.method == "grid":
-            for point in self.spec.points():
-                config = self.spec.trial_config(point)
-                if config.trial_key not in self.measured:
-                    yield ask(self.study, self.spec, point), point, config
+            yield from self.grid()
             return
-        for _ in range(self.to_run):
+        while len(self.taken()) < self.target:
             proposal = self.propose()
             if proposal is None:
-                return  # every grid point has been measured
-            self.measured.add(proposal[2].trial_key)
+                return  # every grid point has been taken
             yield proposal
 
+    def grid(self) -> Iterator[tuple[Any, dict[str, Any], TrialConfig]]:
+        keys = list(self.by_key)
+        if self.shuffle:
+            start = random.Random().randrange(len(keys))
+            keys = keys[start:] + keys[:start]
+        for key in keys:
+            if key in self.taken():
+                continue
+            trial, point = ask(self.study, self.spec, self.by_key[key])
+            config = self.spec.trial_config(point)
+            if coordination.claim(self.study, trial, config.trial_key):
+                yield trial, point, config
+
     def propose(self) -> tuple[Any, dict[str, Any], TrialConfig] | None:
-        unmeasured = [key for key in self.by_key if key not in self.measured]
-        if not unmeasured:
-            return None
         for _ in range(MAX_REPEATS):
+            taken = self.taken()
+            if not set(self.by_key) - taken:
+                return None
             trial = self.study.ask()
             point = suggest_point(trial, self.spec)
             config = self.spec.trial_config(point)
-            if config.trial_key not in self.measured:
+            if config.trial_key in taken:
+                self.repeat(trial, config.trial_key)
+            elif coordination.claim(self.study, trial, config.trial_key):
                 return trial, point, config
-            self.repeat(trial, config.trial_key)
-        point = self.by_key[self.random.choice(unmeasured)]
-        return ask(self.study, self.spec, point), point, self.spec.trial_config(point)
+        untaken = [key for key in self.by_key if key not in self.taken()]
+        if not untaken:
+            return None
+        trial, point = ask(self.study, self.spec, self.by_key[self.random.choice(untaken)])
+        config = self.spec.trial_config(point)
+        if not coordination.claim(self.study, trial, config.trial_key):
+            return self.propose()
+        return trial, point, config
 
     def repeat(self, trial: Any, key: str) -> None:
-        """Answer a proposal of a measured point with what that point gave."""
+        """Answer a proposal of a taken point with what that point gave (if it has finished)."""
         from optuna.trial import TrialState
 
         earlier = [
             t
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.user_attrs.get("trial_key") == key
+            if t.user_attrs.get("trial_key") == key and "repeat_of" not in t.user_attrs
         ]
         trial.set_user_attr("repeat_of", key)
         if not earlier:

@@ -22,7 +22,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from harness import search
+from harness import coordination, search
 from harness.launch import RETRYABLE, describe, launch_trial
 from harness.spec import Spec
 from harness.tracking import Tracker
@@ -59,18 +59,32 @@ def sweep_params(spec: Spec) -> dict[str, str]:
     }
 
 
-def run_sweep(
-    spec: Spec, console: Console, fresh: bool = False, more_trials: int | None = None
-) -> SweepOutcome:
+@dataclass
+class SweepState:
+    """What every worker of one sweep shares: the study, the MLflow parent run, the spec."""
+
+    spec: Spec
+    study: Any
+    tracker: Tracker
+    parent: str
+    interrupted: int
+
+
+def prepare(spec: Spec, fresh: bool = False, worker: bool = False) -> SweepState:
+    """Open (or start) the sweep's study and MLflow parent run; fail dead workers' trials.
+
+    A ``worker`` joins a sweep that others may be running: it neither starts afresh nor deletes
+    half-written trial runs (those may be another worker's, being written right now).
+    """
     results_dir = Path(spec.tracking.results_dir)
-    experiment_dir = results_dir / spec.experiment
     study = search.open_study(spec, fresh=fresh)
-    interrupted = search.fail_stale_trials(study)
+    interrupted = coordination.fail_stale_trials(study)
     tracker = Tracker(
         spec.tracking.mlflow_uri, spec.experiment, results_dir / "mlartifacts" / spec.experiment
     )
+    known = None if fresh else study.user_attrs.get("mlflow_parent_run_id")
     parent = tracker.open_sweep(
-        None if fresh else study.user_attrs.get("mlflow_parent_run_id"),
+        known,
         name=f"sweep {spec.experiment}",
         tags={
             "spec_name": spec.name,
@@ -79,15 +93,49 @@ def run_sweep(
         },
         params=sweep_params(spec),
     )
-    study.set_user_attr("mlflow_parent_run_id", parent)
-    if spec._source:
-        tracker.client.log_artifact(parent, spec._source, artifact_path="spec")
+    if parent != known:
+        study.set_user_attr("mlflow_parent_run_id", parent)
+        if worker:  # two first workers may race: both settle on the last parent written
+            time.sleep(1.0)
+            settled = study.user_attrs.get("mlflow_parent_run_id", parent)
+            if settled != parent:
+                tracker.client.delete_run(parent)
+                parent = settled
+        if spec._source and parent == study.user_attrs.get("mlflow_parent_run_id"):
+            tracker.client.log_artifact(parent, spec._source, artifact_path="spec")
+    if not worker:
+        tracker.discard_unfinished_trials(parent)  # each also left a stale study trial
+    return SweepState(spec, study, tracker, parent, interrupted)
 
-    tracker.discard_unfinished_trials(parent)  # each also left a stale study trial, counted above
+
+def run_sweep(
+    spec: Spec,
+    console: Console,
+    fresh: bool = False,
+    more_trials: int | None = None,
+    workers: int = 1,
+) -> SweepOutcome:
+    if workers > 1:
+        return run_with_workers(spec, console, fresh, more_trials, workers)
+    state = prepare(spec, fresh=fresh)
+    return work(state, console, more_trials)
+
+
+def work(
+    state: SweepState, console: Console, more_trials: int | None = None, shuffle: bool = False
+) -> SweepOutcome:
+    """Run trials of the sweep until none is left for this worker; record each at once.
+
+    Ends when every point is taken and no other worker is still running one; while others
+    run, it waits and takes over the points of any that die (``coordination``).
+    """
+    spec, study, tracker, parent = state.spec, state.study, state.tracker, state.parent
+    experiment_dir = Path(spec.tracking.results_dir) / spec.experiment
     recorded = set(tracker.recorded_trials(parent))
     to_run = search.trials_to_run(spec, len(recorded), more_trials)
     total = len(recorded) + to_run
     outcome = SweepOutcome(spec.experiment, parent, total, len(recorded))
+    interrupted = state.interrupted
     if outcome.already_recorded or interrupted:
         console.print(
             f"Resuming sweep {parent[:8]}: {outcome.already_recorded} of {total} trials already "
@@ -110,7 +158,9 @@ def run_sweep(
     )
     console.print(
         f"Sweep [bold]{spec.experiment}[/]: {to_run} trial(s) to run{searched}, each in its own "
-        f"process (timeout {spec.limits.trial_timeout:g}s). MLflow: {spec.tracking.mlflow_uri}"
+        f"process (timeout {spec.limits.trial_timeout:g}s). "
+        f"MLflow: {coordination.redact(spec.tracking.mlflow_uri)}",
+        soft_wrap=True,
     )
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -124,36 +174,113 @@ def run_sweep(
     try:
         with progress:
             task = progress.add_task("starting", total=total, completed=outcome.already_recorded)
-            plan = search.SearchPlan(study, spec, recorded, to_run)
-            for index, (trial, point, config) in enumerate(plan, start=len(recorded) + 1):
-                label = trial_label(point)
-                progress.update(task, description=f"trial {index}/{total}: {label}")
-                started_ms = int(time.time() * 1000)
-                result = run_with_retries(
-                    spec, config, experiment_dir / "trials" / config.trial_key
-                )
-                run_id = tracker.log_trial(
-                    parent,
-                    config,
-                    result,
-                    experiment_dir / "trials" / config.trial_key,
-                    started_ms,
-                    label,
-                )
-                search.tell(study, trial, spec, result, run_id)
-                progress.console.print(
-                    f"[{index}/{total}] {label:<28} {describe(result)}  "
-                    f"[{result.get('wall_time_s', 0):.1f}s]",
-                    soft_wrap=True,
-                    markup=False,
-                    highlight=False,
-                )
-                progress.advance(task)
+            index = len(recorded)
+            while True:
+                plan = search.SearchPlan(study, spec, recorded, total, shuffle)
+                for trial, point, config in plan:
+                    index += 1
+                    label = trial_label(point)
+                    progress.update(task, description=f"trial {index}/{total}: {label}")
+                    started_ms = int(time.time() * 1000)
+                    workdir = experiment_dir / "trials" / config.trial_key
+                    with coordination.heartbeat(trial):
+                        result = run_with_retries(spec, config, workdir)
+                    run_id = tracker.log_trial(parent, config, result, workdir, started_ms, label)
+                    search.tell(study, trial, spec, result, run_id)
+                    progress.console.print(
+                        f"[{index}/{total}] {label:<28} {describe(result)}  "
+                        f"[{result.get('wall_time_s', 0):.1f}s]",
+                        soft_wrap=True,
+                        markup=False,
+                        highlight=False,
+                    )
+                    progress.update(task, completed=min(total, len(search.active_keys(study))))
+                if not search.held_by_others(study):
+                    break
+                # Others are still running points of this sweep: wait, and take over any
+                # whose worker died.
+                time.sleep(coordination.HEARTBEAT_S)
+                coordination.fail_stale_trials(study)
     except KeyboardInterrupt:
         tracker.close_sweep(parent, {}, status="KILLED")
         raise
     tracker.close_sweep(parent, status_counts(tracker.recorded_trials(parent)))
     return outcome
+
+
+def run_with_workers(
+    spec: Spec, console: Console, fresh: bool, more_trials: int | None, workers: int
+) -> SweepOutcome:
+    """``--workers N``: prepare the sweep here, then N ``harness worker`` processes share it."""
+    import os
+    import subprocess
+    import sys
+
+    storage = coordination.shared_storage(spec.tracking.storage)
+    if storage != spec.tracking.storage:
+        console.print(
+            f"{workers} workers share the study through {coordination.redact(storage)} "
+            "(SQLite is not safe for concurrent writers)."
+        )
+        spec = with_tracking(spec, storage=storage)
+    warn_about_cpu_sharing(console, spec)
+    state = prepare(spec, fresh=fresh)
+    source = spec._source or ""
+    command = [
+        sys.executable, "-m", "harness", "worker", source,
+        "--storage", spec.tracking.storage, "--tracking-uri", spec.tracking.mlflow_uri,
+    ]  # fmt: skip
+    processes = []
+    for index in range(workers):
+        env = dict(os.environ)
+        gpu = gpu_for_worker(index)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        processes.append(subprocess.Popen(command, env=env))
+    try:
+        codes = [process.wait() for process in processes]
+    except KeyboardInterrupt:
+        for process in processes:
+            process.terminate()
+        raise
+    if any(codes):
+        console.print(f"[red]worker exit codes: {codes}[/]")
+    recorded = state.tracker.recorded_trials(state.parent)
+    state.tracker.close_sweep(state.parent, status_counts(recorded))
+    return SweepOutcome(spec.experiment, state.parent, len(spec.points()), len(recorded))
+
+
+def gpu_for_worker(index: int) -> str | None:
+    """One GPU per worker on a multi-GPU host (round robin); None on a CPU-only machine."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return str(index % count) if count > 1 else None
+
+
+def warn_about_cpu_sharing(console: Console, spec: Spec) -> None:
+    if spec.device in ("cpu",) or not _has_gpu():
+        console.print(
+            "[yellow]warning:[/] parallel trials on one CPU share its cores: memory figures "
+            "are unaffected, but throughput and step times are distorted. Compare throughput "
+            "only from sweeps run with one worker."
+        )
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def with_tracking(spec: Spec, **changes: str | None) -> Spec:
+    """The spec with ``tracking`` keys replaced (``storage``, ``mlflow_uri``), source kept."""
+    updates = {key: value for key, value in changes.items() if value is not None}
+    if not updates:
+        return spec
+    copy = spec.model_copy(update={"tracking": spec.tracking.model_copy(update=updates)})
+    copy._source = spec._source
+    return copy
 
 
 def status_counts(recorded: dict[str, str]) -> dict[str, float]:

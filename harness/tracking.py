@@ -7,10 +7,12 @@ batch, so a killed sweep never leaves half-recorded trials behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -41,13 +43,36 @@ def quiet_mlflow() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def prepare_store(uri: str) -> None:
-    """Create the folder a ``sqlite:///relative/path.db`` store lives in."""
+def prepare_store(uri: str, initialise: Callable[[str], object] | None = None) -> None:
+    """Create a ``sqlite:///path.db`` store's folder and, if the file is new, its tables.
+
+    The tables are built in a temporary file that is then renamed into place, so a sweep killed
+    while a store is being created (schema migrations take seconds) never leaves a half-built
+    database that the next run cannot open. ``initialise(url)`` builds the tables.
+    """
     parsed = urlparse(uri)
-    if parsed.scheme == "sqlite":
-        path = uri.removeprefix("sqlite:///")
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if parsed.scheme != "sqlite":
+        return
+    raw = uri.removeprefix("sqlite:///")
+    if not raw or raw == ":memory:":
+        return
+    path = Path(raw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if initialise is None or path.exists():
+        return
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.creating")
+    scratch.unlink(missing_ok=True)
+    initialise(f"sqlite:///{scratch}")
+    if path.exists():  # another process finished first: keep theirs
+        scratch.unlink(missing_ok=True)
+    else:
+        os.replace(scratch, path)
+
+
+def initialise_mlflow_store(url: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=url).search_experiments(max_results=1)
 
 
 def git_commit() -> str | None:
@@ -113,24 +138,34 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
 
 class Tracker:
     def __init__(self, uri: str, experiment: str, artifact_root: Path) -> None:
-        prepare_store(uri)
         from mlflow.tracking import MlflowClient
 
         quiet_mlflow()
+        prepare_store(uri, initialise_mlflow_store)
 
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
         self.commit = git_commit()
-        found = self.client.get_experiment_by_name(experiment)
-        if found is None:
+        found = self.client.get_experiment_by_name(experiment) or self._create(
+            experiment, artifact_root
+        )
+        if found.lifecycle_stage == "deleted":
+            self.client.restore_experiment(found.experiment_id)
+        self.experiment_id = found.experiment_id
+
+    def _create(self, experiment: str, artifact_root: Path) -> Any:
+        from mlflow.exceptions import MlflowException
+
+        # A tracking server stores artifacts where it is told to (every host can reach it);
+        # a local store keeps them under results/, where `mlflow ui` finds them.
+        remote = urlparse(self.uri).scheme in ("http", "https")
+        if not remote:
             artifact_root.mkdir(parents=True, exist_ok=True)
-            self.experiment_id = self.client.create_experiment(
-                experiment, artifact_location=artifact_root.resolve().as_uri()
-            )
-        else:
-            if found.lifecycle_stage == "deleted":
-                self.client.restore_experiment(found.experiment_id)
-            self.experiment_id = found.experiment_id
+        location = None if remote else artifact_root.resolve().as_uri()
+        # Another worker may have created it a moment ago: then use theirs.
+        with contextlib.suppress(MlflowException):
+            self.client.create_experiment(experiment, artifact_location=location)
+        return self.client.get_experiment_by_name(experiment)
 
     # ---- the sweep's parent run ---------------------------------------------------------------
 

@@ -224,3 +224,33 @@ def test_a_one_point_grid_sweeps(tmp_path, base_spec):
     done = run_cli("sweep", str(write_spec(tmp_path, base_spec)), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (load("one-point", f"sqlite:///{tmp_path}/results/mlflow.db")["status"] == "ok").all()
+
+
+@pytest.mark.slow
+def test_three_sigkills_at_random_moments_still_record_every_point_once(tmp_path, base_spec):
+    """The sweep is killed (SIGKILL) three times, at moments drawn at random, then finishes."""
+    import random
+
+    base_spec["name"] = "thrice"
+    base_spec["grid"].update(batch_size=[8, 16, 32], dtype=["fp32", "bf16"])
+    base_spec["train"]["budget"] = {"steps": 6}
+    spec_path = write_spec(tmp_path, base_spec)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    moments = random.Random().sample([x / 2 for x in range(3, 24)], 3)  # 1.5 .. 11.5 s
+    for delay in moments:
+        sweep = subprocess.Popen(
+            [sys.executable, "-m", "harness", "sweep", str(spec_path)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(delay)
+        sweep.kill()
+        sweep.wait()
+    finished = run_cli("sweep", str(spec_path), cwd=tmp_path)
+    assert finished.returncode == 0, (moments, finished.stderr)
+    frame = load("thrice", f"sqlite:///{tmp_path}/results/mlflow.db", sweep="all")
+    assert len(frame) == 6 and frame["trial_key"].is_unique, moments
+    assert frame["sweep_run_id"].nunique() == 1
+    assert (frame["status"] == "ok").all(), frame[["status", "failure_reason"]]

@@ -1,0 +1,169 @@
+"""Several sweep processes, one study: storage, claiming a point, heartbeats, dead workers.
+
+Every worker (``harness sweep``, each of ``--workers N``, each ``harness worker`` on any host)
+opens the same Optuna study and takes grid points one at a time:
+
+- **Claim.** A worker asks the study for a trial, names its point (``trial_key``) on it, then
+  looks at every other trial of that point: one that is finished (and not abandoned) or an
+  earlier one still running means the point is taken, and the worker abandons its trial and
+  moves on. Both of two racing workers name their point before they look, so the one whose
+  trial came first keeps it and the other sees it: every point runs once.
+- **Heartbeat.** While its trial runs, a worker writes the time onto the trial every
+  ``HEARTBEAT_S`` seconds, with its owner (``host:pid``).
+- **Dead workers.** A running trial whose owner is a dead process on this host, or whose
+  heartbeat is older than ``STALE_AFTER_S``, is failed (marked ``stale``) and its point is
+  free again.
+
+Storage: ``sqlite:///...`` (one process at a time is safest), ``journal:PATH`` (Optuna's
+journal file: many processes on one machine) or ``postgresql://...`` (many machines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 60.0
+JOURNAL_PREFIX = "journal:"
+
+
+def owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def storage_for(url: str) -> Any:
+    """What Optuna is given for ``tracking.storage``: a URL, or a journal-file storage."""
+    if not url.startswith(JOURNAL_PREFIX):
+        return url
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    path = Path(url.removeprefix(JOURNAL_PREFIX).removeprefix("//"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+
+
+def shared_storage(url: str) -> str:
+    """A storage several local processes may write: SQLite becomes a journal file beside it."""
+    if url.startswith("sqlite:///"):
+        return JOURNAL_PREFIX + str(Path(url.removeprefix("sqlite:///")).with_suffix(".journal"))
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for printing (``postgresql://me:***@host/db``)."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_stale(trial: Any, now: float) -> bool:
+    """A RUNNING trial nobody is working on any more."""
+    holder = trial.user_attrs.get("owner")
+    if holder is None:  # written before owners existed: a single sweep that was killed
+        return True
+    host, _, pid = holder.rpartition(":")
+    if holder == owner():
+        return False
+    if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+        return True
+    beat = trial.user_attrs.get("heartbeat")
+    if beat is None and trial.datetime_start is not None:
+        beat = trial.datetime_start.timestamp()
+    return beat is None or now - float(beat) > STALE_AFTER_S
+
+
+def fail_stale_trials(study: Any) -> int:
+    """Fail the RUNNING trials of dead workers, so their points run again."""
+    from optuna.trial import TrialState
+
+    now = time.time()
+    stale = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if is_stale(t, now)
+    ]
+    for trial in stale:
+        study._storage.set_trial_user_attr(trial._trial_id, "stale", True)
+        with contextlib.suppress(Exception):  # another worker may have failed it just now
+            study.tell(trial.number, state=TrialState.FAIL)
+    return len(stale)
+
+
+def taken(study: Any, trial: Any, key: str) -> bool:
+    """Whether another trial already has this point (see the module notes)."""
+    from optuna.trial import TrialState
+
+    for other in study.get_trials(deepcopy=False):
+        attrs = other.user_attrs
+        if other.number == trial.number or attrs.get("trial_key") != key:
+            continue
+        if "repeat_of" in attrs or attrs.get("abandoned") or attrs.get("stale"):
+            continue
+        if other.state == TrialState.RUNNING and other.number < trial.number:
+            return True
+        if other.state in (TrialState.COMPLETE, TrialState.FAIL):
+            return True
+    return False
+
+
+def claim(study: Any, trial: Any, key: str) -> bool:
+    """Name the point on the trial, then keep it only if nobody else has it."""
+    from optuna.trial import TrialState
+
+    trial.set_user_attr("trial_key", key)
+    trial.set_user_attr("owner", owner())
+    trial.set_user_attr("heartbeat", time.time())
+    if not taken(study, trial, key):
+        return True
+    trial.set_user_attr("abandoned", True)
+    study.tell(trial, state=TrialState.FAIL)
+    return False
+
+
+def point_is_done(study: Any, key: str) -> bool:
+    """Finished by some worker (recorded, or being recorded): nothing to run."""
+    from optuna.trial import TrialState
+
+    return any(
+        t.user_attrs.get("trial_key") == key
+        and not (t.user_attrs.get("abandoned") or t.user_attrs.get("stale"))
+        and "repeat_of" not in t.user_attrs
+        and t.state in (TrialState.COMPLETE, TrialState.FAIL)
+        for t in study.get_trials(deepcopy=False)
+    )
+
+
+@contextlib.contextmanager
+def heartbeat(trial: Any) -> Iterator[None]:
+    """Write the time onto the trial every ``HEARTBEAT_S`` while the block runs."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(Exception):  # a storage hiccup must not kill the trial
+                trial.set_user_attr("heartbeat", time.time())
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,196 @@
+"""Several workers, one sweep: claims, dead workers, --workers N, and workers on PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from harness import coordination
+from harness.results import load
+from tests.conftest import BASE_SPEC, REPO, run_cli, write_spec
+
+POINTS = {"batch_size": [8, 16, 32], "dtype": ["fp32", "bf16"], "strategy": ["none"]}
+
+
+def study() -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(directions=["minimize"])
+
+
+def test_two_claims_of_one_point_the_first_wins():
+    shared = study()
+    first, second = shared.ask(), shared.ask()
+    # Both name the point before either looks: the earlier trial keeps it.
+    first.set_user_attr("trial_key", "k")
+    assert coordination.claim(shared, second, "k") is False
+    assert coordination.claim(shared, first, "k") is True
+    assert shared.trials[second.number].user_attrs["abandoned"] is True
+    assert shared.trials[second.number].state == TrialState.FAIL
+
+
+def test_a_finished_point_is_taken_but_a_dead_workers_point_is_free():
+    shared = study()
+    done = shared.ask()
+    coordination.claim(shared, done, "done")
+    shared.tell(done, 1.0)
+    assert coordination.claim(shared, shared.ask(), "done") is False
+    dead = shared.ask()
+    dead.set_user_attr("trial_key", "free")
+    dead.set_user_attr("stale", True)
+    shared.tell(dead, state=TrialState.FAIL)
+    assert coordination.claim(shared, shared.ask(), "free") is True
+
+
+def test_passwords_are_not_printed():
+    assert (
+        coordination.redact("postgresql://me:s3cret@db:5432/x") == "postgresql://me:***@db:5432/x"
+    )
+    assert coordination.redact("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_stale_running_trials_are_failed_and_live_ones_kept():
+    shared = study()
+    host = socket.gethostname()
+    mine, gone, silent, remote = (shared.ask() for _ in range(4))
+    mine.set_user_attr("owner", coordination.owner())
+    gone.set_user_attr("owner", f"{host}:{dead_pid()}")
+    silent.set_user_attr("owner", "elsewhere:1")
+    silent.set_user_attr("heartbeat", time.time() - 10 * coordination.STALE_AFTER_S)
+    remote.set_user_attr("owner", "elsewhere:2")
+    remote.set_user_attr("heartbeat", time.time())
+    assert coordination.fail_stale_trials(shared) == 2
+    states = [t.state for t in shared.trials]
+    assert states == [TrialState.RUNNING, TrialState.FAIL, TrialState.FAIL, TrialState.RUNNING]
+    assert shared.trials[1].user_attrs["stale"] is True
+    assert datetime.now() - shared.trials[1].datetime_complete < timedelta(minutes=1)
+
+
+def test_heartbeat_writes_while_the_block_runs(monkeypatch):
+    monkeypatch.setattr(coordination, "HEARTBEAT_S", 0.05)
+    shared = study()
+    trial = shared.ask()
+    trial.set_user_attr("heartbeat", 0.0)
+    with coordination.heartbeat(trial):
+        time.sleep(0.3)
+    assert shared.trials[0].user_attrs["heartbeat"] > time.time() - 5
+
+
+def exactly_once(frame, points: int) -> None:
+    assert len(frame) == points
+    assert frame["trial_key"].is_unique
+    assert set(frame["status"]) == {"ok"}
+
+
+@pytest.mark.slow
+def test_workers_2_run_every_point_exactly_once(tmp_path):
+    data = {**BASE_SPEC, "name": "two-workers", "grid": POINTS}
+    data["train"] = {**BASE_SPEC["train"], "budget": {"steps": 6}}
+    done = run_cli("sweep", str(write_spec(tmp_path, data)), "--workers", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "distorted" in done.stdout  # the CPU warning
+    assert (tmp_path / "results" / "optuna.journal").exists()
+    exactly_once(load("two-workers", f"sqlite:///{tmp_path}/results/mlflow.db"), 6)
+    storage = coordination.storage_for(f"journal:{tmp_path}/results/optuna.journal")
+    (summary,) = optuna.get_all_study_summaries(storage)
+    shared = optuna.load_study(study_name=summary.study_name, storage=storage)
+    owners = {t.user_attrs.get("owner") for t in shared.trials if t.state == TrialState.COMPLETE}
+    assert len(owners) == 2  # both workers ran trials
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = free_port()
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "mlflow"), "server",
+        "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+        "--artifacts-destination", str(tmp_path / "server-artifacts"),
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+    server = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        server.kill()
+        pytest.fail("mlflow server did not start in 90 s")
+    yield f"http://127.0.0.1:{port}"
+    os.killpg(server.pid, 15)
+    server.wait(timeout=30)
+
+
+SERVER = "postgresql://postgres@127.0.0.1:5432"
+
+
+@pytest.fixture
+def fresh_database():
+    """A database of its own, so the workers also race to create Optuna's tables."""
+    import psycopg
+
+    name = f"harness_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(f"{SERVER}/test", autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    yield f"{SERVER}/{name}"
+    with psycopg.connect(f"{SERVER}/test", autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def postgres_up() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 5432), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not postgres_up(), reason="no PostgreSQL server at 127.0.0.1:5432")
+def test_two_workers_on_postgresql_and_a_tracking_server(tmp_path, mlflow_server, fresh_database):
+    name = "pg-workers"
+    data = {**BASE_SPEC, "name": name, "grid": POINTS}
+    data["train"] = {**BASE_SPEC["train"], "budget": {"steps": 6}}
+    spec_path = write_spec(tmp_path, data)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable, "-m", "harness", "worker", str(spec_path),
+        "--storage", fresh_database, "--tracking-uri", mlflow_server,
+    ]  # fmt: skip
+    workers = [
+        subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [worker.communicate(timeout=600)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], outputs
+    exactly_once(load(name, mlflow_server), 6)
+    ran = [output.count(" ok  peak ") for output in outputs]
+    assert sum(ran) == 6, outputs
