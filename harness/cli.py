@@ -34,6 +34,10 @@ class SpecAwareGroup(click.Group):
         except SpecError as error:
             click.echo(str(error), err=True)
             ctx.exit(2)
+        except OSError as error:  # a full disk, a folder that became read-only, ...
+            where = f"{error.filename}: " if error.filename else ""
+            click.echo(f"harness: {where}{error.strerror or error}", err=True)
+            ctx.exit(1)
 
 
 @click.group(cls=SpecAwareGroup)

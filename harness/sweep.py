@@ -22,7 +22,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from harness import coordination, search
+from harness import coordination, preflight, search
 from harness.launch import RETRYABLE, describe, launch_trial
 from harness.spec import Spec
 from harness.tracking import Tracker
@@ -76,6 +76,7 @@ def prepare(spec: Spec, fresh: bool = False, worker: bool = False) -> SweepState
     A ``worker`` joins a sweep that others may be running: it neither starts afresh nor deletes
     half-written trial runs (those may be another worker's, being written right now).
     """
+    preflight.check_stores(spec)  # before anything is created or any trial runs
     results_dir = Path(spec.tracking.results_dir)
     study = search.open_study(spec, fresh=fresh)
     interrupted = coordination.fail_stale_trials(study)

@@ -183,39 +183,15 @@ def _trial_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
-def test_kill_9_then_rerun_finishes_without_repeats(tmp_path, base_spec):
-    base_spec["name"] = "killed"
-    base_spec["grid"]["batch_size"] = [16, 32, 64]
-    spec_path = write_spec(tmp_path, base_spec)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    sweep = subprocess.Popen(
+def start_sweep(spec_path: Path, folder: Path) -> subprocess.Popen:
+    """``harness sweep SPEC`` in the background, in ``folder``, its output discarded."""
+    return subprocess.Popen(
         [sys.executable, "-m", "harness", "sweep", str(spec_path)],
-        cwd=tmp_path,
-        env=env,
+        cwd=folder,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    db = tmp_path / "results" / "mlflow.db"
-    deadline = time.monotonic() + 300
-    while _recorded_trials(db) < 1 and time.monotonic() < deadline and sweep.poll() is None:
-        time.sleep(0.2)
-    assert _recorded_trials(db) >= 1, "the first trial was never recorded"
-    sweep.kill()  # SIGKILL: no cleanup code runs in the sweep
-    sweep.wait()
-    # The orphaned trial notices its sweep is gone and stops by itself.
-    deadline = time.monotonic() + 15
-    while _trial_processes(str(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _trial_processes(str(tmp_path))
-
-    again = run_cli("sweep", str(spec_path), cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert "Resuming sweep" in again.stdout
-    frame = load("killed", f"sqlite:///{db}", sweep="all")
-    assert frame["sweep_run_id"].nunique() == 1  # the same sweep, resumed
-    assert len(frame) == 3 and frame["trial_key"].is_unique
-    assert (frame["status"] == "ok").all()
-    assert frame["batch_size"].tolist() == [16, 32, 64]
 
 
 def test_a_one_point_grid_sweeps(tmp_path, base_spec):
@@ -228,29 +204,54 @@ def test_a_one_point_grid_sweeps(tmp_path, base_spec):
 
 @pytest.mark.slow
 def test_three_sigkills_at_random_moments_still_record_every_point_once(tmp_path, base_spec):
-    """The sweep is killed (SIGKILL) three times, at moments drawn at random, then finishes."""
+    """The sweep is killed (SIGKILL) three times, at moments drawn at random, then finishes:
+    finished trials kept (not repeated, not duplicated in MLflow), interrupted ones re-run."""
     import random
 
     base_spec["name"] = "thrice"
     base_spec["grid"].update(batch_size=[8, 16, 32], dtype=["fp32", "bf16"])
     base_spec["train"]["budget"] = {"steps": 6}
     spec_path = write_spec(tmp_path, base_spec)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     moments = random.Random().sample([x / 2 for x in range(3, 24)], 3)  # 1.5 .. 11.5 s
     for delay in moments:
-        sweep = subprocess.Popen(
-            [sys.executable, "-m", "harness", "sweep", str(spec_path)],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        sweep = start_sweep(spec_path, tmp_path)
         time.sleep(delay)
-        sweep.kill()
+        sweep.kill()  # SIGKILL: no cleanup code runs in the sweep
         sweep.wait()
+        # An orphaned trial notices its sweep is gone and stops by itself.
+        deadline = time.monotonic() + 15
+        while _trial_processes(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _trial_processes(str(tmp_path)), moments
     finished = run_cli("sweep", str(spec_path), cwd=tmp_path)
     assert finished.returncode == 0, (moments, finished.stderr)
+    assert "Resuming sweep" in finished.stdout or "Nothing left" in finished.stdout
     frame = load("thrice", f"sqlite:///{tmp_path}/results/mlflow.db", sweep="all")
     assert len(frame) == 6 and frame["trial_key"].is_unique, moments
     assert frame["sweep_run_id"].nunique() == 1
     assert (frame["status"] == "ok").all(), frame[["status", "failure_reason"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "status", "words"),
+    [("crash_rank1", "crash", ""), ("hang", "timeout", "trial_timeout; killed")],
+)
+def test_a_multi_rank_trial_that_fails_leaves_no_rank_behind(tmp_path, mode, status, words):
+    """One rank killed by a signal, or every rank hung: the whole trial ends, no orphans."""
+    from harness.launch import launch_trial
+    from harness.spec import parse_spec
+
+    copy_fixture("faulty_models.py", tmp_path)
+    data = copy.deepcopy(BASE_SPEC)
+    data["model"] = {"family": "faulty_models:build", "sizes": {"f": {"mode": mode}}}
+    data["grid"].update(batch_size=[16], strategy=["ddp:2"])
+    spec = parse_spec(data, str(tmp_path / "spec.yaml"))
+    config = spec.trials()[0]
+    result = launch_trial(config, tmp_path / "trial", timeout_s=30)
+    assert result["status"] == status, result["failure_reason"]
+    assert words in result["failure_reason"]
+    deadline = time.monotonic() + 15
+    while _trial_processes(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _trial_processes(str(tmp_path)), "a rank outlived its trial"

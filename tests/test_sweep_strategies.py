@@ -47,7 +47,10 @@ def test_every_cpu_strategy_runs_in_a_sweep(tmp_path):
     spec["grid"].update(batch_size=[16], strategy=CPU_STRATEGIES)
     spec["train"]["budget"] = {"steps": 8}
     spec["limits"] = {"trial_timeout": "300s"}
-    done = run_cli("sweep", str(write_spec(tmp_path, spec)), cwd=tmp_path, timeout=1800)
+    # Two workers: this test is about every strategy running and being recorded (throughput
+    # is not compared), and it exercises --workers on a sweep with multi-rank trials.
+    path = write_spec(tmp_path, spec)
+    done = run_cli("sweep", str(path), "--workers", "2", cwd=tmp_path, timeout=1800)
     assert done.returncode == 0, done.stderr
     frame = load("every-strategy", f"sqlite:///{tmp_path}/results/mlflow.db").set_index("strategy")
     failed = frame[frame["status"] != "ok"]["failure_reason"].to_dict()

@@ -177,7 +177,7 @@ def postgres_up() -> bool:
 @pytest.mark.skipif(not postgres_up(), reason="no PostgreSQL server at 127.0.0.1:5432")
 def test_two_workers_on_postgresql_and_a_tracking_server(tmp_path, mlflow_server, fresh_database):
     name = "pg-workers"
-    data = {**BASE_SPEC, "name": name, "grid": POINTS}
+    data = {**BASE_SPEC, "name": name, "grid": {**POINTS, "batch_size": [8, 16]}}
     data["train"] = {**BASE_SPEC["train"], "budget": {"steps": 6}}
     spec_path = write_spec(tmp_path, data)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -191,6 +191,36 @@ def test_two_workers_on_postgresql_and_a_tracking_server(tmp_path, mlflow_server
     ]
     outputs = [worker.communicate(timeout=600)[0] for worker in workers]
     assert [worker.returncode for worker in workers] == [0, 0], outputs
-    exactly_once(load(name, mlflow_server), 6)
+    exactly_once(load(name, mlflow_server), 4)
     ran = [output.count(" ok  peak ") for output in outputs]
-    assert sum(ran) == 6, outputs
+    assert sum(ran) == 4, outputs
+
+
+@pytest.mark.parametrize(
+    ("tracking", "field", "cause"),
+    [
+        ({"mlflow_uri": "http://127.0.0.1:9"}, "tracking.mlflow_uri", "refused"),
+        ({"storage": "postgresql://postgres@127.0.0.1:9/test"}, "tracking.storage", "127.0.0.1"),
+        ({"results_dir": "/proc/harness-results"}, "tracking.results_dir", ""),
+        ({"mlflow_uri": "sqlite:////proc/harness/mlflow.db"}, "tracking.mlflow_uri", ""),
+    ],
+)
+def test_unusable_stores_fail_fast_with_one_line(tmp_path, tracking, field, cause):
+    data = {**BASE_SPEC, "tracking": tracking}
+    started = time.monotonic()
+    done = run_cli("sweep", str(write_spec(tmp_path, data)), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f": {field}: cannot use " in lines[0], done.stderr
+    assert cause in lines[0]
+    assert time.monotonic() - started < 60
+    assert not list(tmp_path.glob("results/*/trials/*"))  # no trial ran
+
+
+def test_a_results_folder_inside_a_file_is_reported_not_a_traceback(tmp_path):
+    (tmp_path / "blocker").write_text("a file, not a folder")
+    data = {**BASE_SPEC, "tracking": {"results_dir": "blocker/results"}}
+    done = run_cli("sweep", str(write_spec(tmp_path, data)), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "tracking.results_dir: cannot use blocker/results: Not a directory" in done.stderr
+    assert "Traceback" not in done.stderr

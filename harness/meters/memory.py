@@ -15,9 +15,33 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.distributed._tools import mem_tracker
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+
+def _skip_tools_package_init() -> None:
+    """Let ``torch.distributed._tools.mem_tracker`` load without its package's ``__init__``.
+
+    That ``__init__`` imports every tool of the package, among them a runtime estimator that
+    loads the inductor: ~1.7-2.5 s of every trial's start-up, for nothing a trial uses. The
+    package is registered as a plain namespace for its submodules (torch's own code imports
+    only submodules from it, never names from the package itself).
+    """
+    import importlib.util
+    import sys
+
+    import torch.distributed  # noqa: F401  (the parent must exist first)
+
+    name = "torch.distributed._tools"
+    if name not in sys.modules:
+        spec = importlib.util.find_spec(name)
+        if spec is not None:
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+
+
+_skip_tools_package_init()
+
+from torch.distributed._tools import mem_tracker  # noqa: E402
+from torch.distributed._tools.common_utils import get_untyped_storages  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType  # noqa: E402
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
 _round_every_device = False  # set by cuda_accounting()

@@ -1,0 +1,90 @@
+"""Before any trial runs: can the sweep reach and write its stores? One clear line if not.
+
+A sweep that fails on its first record after an hour of training has lost that hour; one that
+hangs on an unreachable server looks dead. So the MLflow URI and the Optuna storage are tried
+first, with short timeouts, and every failure names the spec field, the store and the cause.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from harness.coordination import JOURNAL_PREFIX, redact
+from harness.spec import Spec, SpecError
+
+TIMEOUT_S = 5
+
+
+def problem(spec: Spec, field: str, store: str, cause: object) -> SpecError:
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return SpecError(f"{spec._source or '<spec>'}: {field}: cannot use {redact(store)}: {text}")
+
+
+def writable_folder(path: Path) -> str | None:
+    """Why files cannot be created in ``path`` (made if missing), or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return error.strerror or str(error)
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "the folder is not writable"
+    return None
+
+
+def check_local_file(spec: Spec, field: str, store: str, path: Path) -> None:
+    why = writable_folder(path.parent)
+    if why is None and path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        why = "the file is not readable and writable"
+    if why:
+        raise problem(spec, field, store, why)
+
+
+def check_http(spec: Spec, field: str, uri: str) -> None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=TIMEOUT_S) as answer:
+            if answer.status >= 400:
+                raise problem(spec, field, uri, f"HTTP {answer.status} from /health")
+    except OSError as error:  # URLError, timeouts, refused connections
+        raise problem(spec, field, uri, getattr(error, "reason", error)) from None
+
+
+def check_database(spec: Spec, field: str, url: str) -> None:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import SQLAlchemyError
+
+    engine = create_engine(url, connect_args={"connect_timeout": TIMEOUT_S})
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except SQLAlchemyError as error:
+        raise problem(spec, field, url, getattr(error, "orig", error)) from None
+    except ImportError as error:
+        raise problem(spec, field, url, error) from None
+    finally:
+        engine.dispose()
+
+
+def check_stores(spec: Spec) -> None:
+    """Raise ``SpecError`` (exit 2, one line) if a store cannot be reached or written."""
+    results = Path(spec.tracking.results_dir)
+    why = writable_folder(results)
+    if why:
+        raise problem(spec, "tracking.results_dir", str(results), why)
+    for field, store in (
+        ("tracking.mlflow_uri", spec.tracking.mlflow_uri),
+        ("tracking.storage", spec.tracking.storage),
+    ):
+        scheme = urlparse(store).scheme
+        if store.startswith(JOURNAL_PREFIX):
+            path = Path(store.removeprefix(JOURNAL_PREFIX).removeprefix("//"))
+            check_local_file(spec, field, store, path)
+        elif scheme == "sqlite":
+            check_local_file(spec, field, store, Path(store.removeprefix("sqlite:///")))
+        elif scheme in ("http", "https"):
+            check_http(spec, field, store)
+        elif scheme.startswith(("postgresql", "mysql")):
+            check_database(spec, field, store)
