@@ -52,6 +52,7 @@ TAG_COLUMNS = (
     "torch_version",
     "throughput_unit",
     "git_commit",
+    "attempts",
 )
 
 

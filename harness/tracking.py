@@ -242,6 +242,7 @@ class Tracker:
             "trial_key": config.trial_key,
             "status": result["status"],
             "failure_reason": result.get("failure_reason", ""),
+            "attempts": str(result.get("attempts", 1)),  # > 1: crash/timeout retried
         }
         if self.commit:
             tags["git_commit"] = self.commit

@@ -255,3 +255,22 @@ def test_a_multi_rank_trial_that_fails_leaves_no_rank_behind(tmp_path, mode, sta
     while _trial_processes(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _trial_processes(str(tmp_path)), "a rank outlived its trial"
+
+
+@pytest.mark.slow
+def test_a_crash_is_retried_and_a_real_allocation_failure_is_oom(tmp_path, base_spec):
+    copy_fixture("faulty_models.py", tmp_path)
+    base_spec["name"] = "retried"
+    base_spec["model"] = {
+        "family": "faulty_models:build",
+        "sizes": {"once": {"mode": "crash_once"}, "huge": {"mode": "huge"}},
+    }
+    base_spec["limits"] = {"retries": 1}
+    done = run_cli("sweep", str(write_spec(tmp_path, base_spec)), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    frame = load("retried", f"sqlite:///{tmp_path}/results/mlflow.db").set_index("model_size")
+    assert frame.loc["once", "status"] == "ok"  # crashed (SIGSEGV) once, then ran
+    assert frame.loc["once", "attempts"] == "2"
+    assert frame.loc["huge", "status"] == "oom"  # the CPU allocator refused 1 PiB
+    assert "can't allocate memory" in frame.loc["huge", "failure_reason"]
+    assert frame.loc["huge", "attempts"] == "1"  # oom is an answer, not retried

@@ -150,6 +150,8 @@ def mlflow_server(tmp_path):
 
 
 SERVER = "postgresql://postgres@127.0.0.1:5432"
+PASSWORD = "s3cret-pw"
+SECRET_ENV = "never-logged-7c1f"
 
 
 @pytest.fixture
@@ -160,7 +162,8 @@ def fresh_database():
     name = f"harness_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(f"{SERVER}/test", autocommit=True) as admin:
         admin.execute(f"CREATE DATABASE {name}")
-    yield f"{SERVER}/{name}"
+    # Trust authentication ignores the password: it is there to prove it is never logged.
+    yield f"postgresql://postgres:{PASSWORD}@127.0.0.1:5432/{name}"
     with psycopg.connect(f"{SERVER}/test", autocommit=True) as admin:
         admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
@@ -180,7 +183,7 @@ def test_two_workers_on_postgresql_and_a_tracking_server(tmp_path, mlflow_server
     data = {**BASE_SPEC, "name": name, "grid": {**POINTS, "batch_size": [8, 16]}}
     data["train"] = {**BASE_SPEC["train"], "budget": {"steps": 6}}
     spec_path = write_spec(tmp_path, data)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HARNESS_TEST_TOKEN": SECRET_ENV}
     command = [
         sys.executable, "-m", "harness", "worker", str(spec_path),
         "--storage", fresh_database, "--tracking-uri", mlflow_server,
@@ -194,6 +197,15 @@ def test_two_workers_on_postgresql_and_a_tracking_server(tmp_path, mlflow_server
     exactly_once(load(name, mlflow_server), 4)
     ran = [output.count(" ok  peak ") for output in outputs]
     assert sum(ran) == 4, outputs
+    assert not any(PASSWORD in output for output in outputs)  # printed URLs are redacted
+    # Neither the storage password nor the environment reaches MLflow.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name(name)
+    for run in client.search_runs([experiment.experiment_id]):
+        recorded = " ".join([*run.data.params.values(), *run.data.tags.values()])
+        assert PASSWORD not in recorded and SECRET_ENV not in recorded
 
 
 @pytest.mark.parametrize(

@@ -340,4 +340,11 @@ def run_trial(config: TrialConfig) -> dict[str, Any]:
             torch.cuda.empty_cache()
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
         return trial.result(Status.OOM, first_line)
+    except RuntimeError as error:
+        # The CPU allocator's refusal is an allocation failure like CUDA's, not a crash.
+        if "can't allocate memory" not in str(error):
+            raise
+        trial.__dict__.pop("model", None)
+        trial.__dict__.pop("optimizer", None)
+        return trial.result(Status.OOM, str(error).strip().splitlines()[0][:300])
     return trial.result(Status.OK)
