@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -69,8 +70,18 @@ def measure_spec(path: str, log: Callable[[str], None], workdir: Path) -> list[d
         )
         return row
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(measure, trials))
+    # One intra-op thread per trial: two trials on two cores, neither waiting for the other's
+    # threads (the trials inherit this environment; bytes do not depend on thread counts).
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return list(pool.map(measure, trials))
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
 
 
 def prediction_accuracy(log: Callable[[str], None], workdir: Path) -> list[Figure]:

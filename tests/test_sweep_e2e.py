@@ -224,8 +224,8 @@ def test_three_sigkills_at_random_moments_still_record_every_point_once(tmp_path
             time.sleep(0.5)
         assert not _trial_processes(str(tmp_path)), moments
     finished = run_cli("sweep", str(spec_path), cwd=tmp_path)
+    # (Kills before the first record leave nothing to resume: the last run then starts anew.)
     assert finished.returncode == 0, (moments, finished.stderr)
-    assert "Resuming sweep" in finished.stdout or "Nothing left" in finished.stdout
     frame = load("thrice", f"sqlite:///{tmp_path}/results/mlflow.db", sweep="all")
     assert len(frame) == 6 and frame["trial_key"].is_unique, moments
     assert frame["sweep_run_id"].nunique() == 1
