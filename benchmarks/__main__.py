@@ -11,12 +11,18 @@ from pathlib import Path
 import click
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from benchmarks import estimator, search
+from benchmarks import estimator, overhead, scale, search
 from benchmarks.figures import Figure
 
-SUITES = {"search": search.run, "estimator": estimator.run}
+SUITES = {
+    "overhead": overhead.run,
+    "scale": scale.run,
+    "search": search.run,
+    "estimator": estimator.run,
+}
 
 
 def table(figures: list[Figure]) -> Table:
@@ -26,7 +32,7 @@ def table(figures: list[Figure]) -> Table:
     for figure in figures:
         value = "-" if figure.value is None else f"{figure.value:,.4g}"
         met = {True: "[green]yes[/]", False: "[red]NO[/]", None: "-"}[figure.met]
-        out.add_row(figure.name, value, figure.unit, figure.target, met)
+        out.add_row(escape(figure.name), value, figure.unit, figure.target, met)
     return out
 
 

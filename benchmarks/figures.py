@@ -26,5 +26,9 @@ def at_most(name: str, value: float, limit: float, unit: str, **detail: Any) -> 
     return Figure(name, value, f"<= {limit:g} {unit}".strip(), value <= limit, unit, detail)
 
 
+def at_least(name: str, value: float, limit: float, unit: str, **detail: Any) -> Figure:
+    return Figure(name, value, f">= {limit:g} {unit}".strip(), value >= limit, unit, detail)
+
+
 def within(name: str, value: float, low: float, high: float, **detail: Any) -> Figure:
     return Figure(name, value, f"{low:g} .. {high:g}", low <= value <= high, "", detail)

@@ -137,19 +137,6 @@ def claim(study: Any, trial: Any, key: str) -> bool:
     return False
 
 
-def point_is_done(study: Any, key: str) -> bool:
-    """Finished by some worker (recorded, or being recorded): nothing to run."""
-    from optuna.trial import TrialState
-
-    return any(
-        t.user_attrs.get("trial_key") == key
-        and not (t.user_attrs.get("abandoned") or t.user_attrs.get("stale"))
-        and "repeat_of" not in t.user_attrs
-        and t.state in (TrialState.COMPLETE, TrialState.FAIL)
-        for t in study.get_trials(deepcopy=False)
-    )
-
-
 @contextlib.contextmanager
 def heartbeat(trial: Any) -> Iterator[None]:
     """Write the time onto the trial every ``HEARTBEAT_S`` while the block runs."""

@@ -2,17 +2,24 @@
 
 Isolation is the point: a trial that segfaults, hangs or leaks memory takes only its own process
 down. The process leads a new session, so on a timeout (or Ctrl-C of the sweep) the whole tree is
-killed, grandchildren included.
+killed, grandchildren included. Single-process trials are forked from a warm zygote that has
+already imported torch (``harness.trial.zygote``): the same isolation, without seconds of
+imports per trial.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import logging
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,10 +58,150 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+WARM_START_ENV = "HARNESS_WARM_START"  # "0": every trial imports everything in a fresh process
+ZYGOTE_READY_S = 300.0  # imports on a loaded machine can be slow; a dead zygote answers at once
+
+
+class ZygoteFailed(Exception):
+    """The warm starter is unusable; the trial starts in a fresh process instead."""
+
+
+class Zygote:
+    """The launcher's end of ``harness.trial.zygote``: one trial at a time, answers read with a
+    timeout, the trial's process group killed on timeout or Ctrl-C."""
+
+    def __init__(self) -> None:
+        # What the zygote printed, if it fails to start; closed with the zygote.
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "harness.trial.zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errors,
+        )
+        self.ready = False
+
+    def _read(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next answer, or None after ``timeout_s``; ZygoteFailed if the zygote is gone."""
+        assert self.process.stdout is not None
+        readable, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        if not readable:
+            return None
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait()
+            self.errors.seek(0)
+            tail = self.errors.read().decode(errors="replace").strip().splitlines()[-1:]
+            raise ZygoteFailed(
+                f"exited with code {self.process.returncode}"
+                + (f": {tail[0][:300]}" if tail else "")
+            )
+        return json.loads(line)
+
+    def _expect(self, key: str, timeout_s: float) -> Any:
+        answer = self._read(timeout_s)
+        if answer is None or key not in answer:
+            self.close()
+            raise ZygoteFailed(f"no {key!r} answer within {timeout_s:g}s (got {answer!r})")
+        return answer[key]
+
+    def run(self, request: dict[str, Any], timeout_s: float) -> int | None:
+        """Run one trial; its exit code (negative: signal), or None when it timed out."""
+        if not self.ready:
+            self._expect("ready", ZYGOTE_READY_S)
+            self.ready = True
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write((json.dumps(request) + "\n").encode())
+            self.process.stdin.flush()
+        except OSError as error:
+            raise ZygoteFailed(f"cannot reach it: {error}") from None
+        pid = self._expect("pid", 60)
+        try:
+            answer = self._read(timeout_s)
+        except BaseException:  # Ctrl-C, a kill of the sweep, or the zygote died: no orphan
+            _kill_group(pid)
+            raise
+        if answer is not None:
+            return int(answer["exit"])
+        _kill_group(pid)
+        self._expect("exit", 60)
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.process.stdin:
+                self.process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.errors.close()
+
+
+_zygotes = threading.local()  # one per launching thread: each runs one trial at a time
+
+
+def warm_start_enabled() -> bool:
+    return os.environ.get(WARM_START_ENV, "1") != "0"
+
+
+def start_warm_starter() -> None:
+    """Start this thread's zygote now, so its imports overlap the sweep's own set-up."""
+    if warm_start_enabled() and getattr(_zygotes, "zygote", None) is None:
+        _zygotes.zygote = Zygote()
+        atexit.register(_zygotes.zygote.close)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # not yet its own group leader, or already gone
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _run_warm(request: dict[str, Any], timeout_s: float) -> int | None:
+    """Fork the trial from this thread's zygote; ZygoteFailed when that is not possible."""
+    start_warm_starter()
+    zygote: Zygote = _zygotes.zygote
+    try:
+        return zygote.run(request, timeout_s)
+    except ZygoteFailed as error:
+        _zygotes.zygote = None
+        zygote.close()
+        logging.getLogger("harness").warning(
+            "warm trial start failed (%s); trials start in fresh processes", error
+        )
+        os.environ[WARM_START_ENV] = "0"
+        raise
+
+
+def _run_fresh(
+    command: list[str], env: dict[str, str], log_path: Path, timeout_s: float
+) -> int | None:
+    """The trial as its own program; its exit code, or None when it timed out."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(process)
+            return None
+        except BaseException:  # Ctrl-C or a kill of the sweep: leave no orphan trial behind
+            _kill_tree(process)
+            raise
+
+
 def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[str, Any]:
     """Run ``python -m harness.trial`` for ``config`` in ``workdir``; always return a result.
 
     ``workdir`` keeps ``config.json``, ``result.json`` and ``trial.log`` (stdout + stderr).
+    A single-process trial is forked from a warm zygote (``harness.trial.zygote``) unless
+    ``HARNESS_WARM_START=0``; a multi-rank one is started by torchrun.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     config_path, result_path, log_path = (
@@ -70,24 +217,30 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[s
     if ranks > 1:  # torchrun starts the ranks; if one dies it stops the others
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     started = time.monotonic()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        try:
-            returncode = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_tree(process)
-            result = failure(
-                config, Status.TIMEOUT, f"no result after the {timeout_s:g}s trial_timeout; killed"
-            )
-            result["wall_time_s"] = time.monotonic() - started
-            return result
-        except BaseException:  # Ctrl-C or a kill of the sweep: leave no orphan trial behind
-            _kill_tree(process)
-            raise
+    returncode: int | None
+    start = "warm"
+    try:
+        if ranks > 1 or not warm_start_enabled():
+            raise ZygoteFailed("not used")
+        request = {
+            "config": str(config_path.resolve()),
+            "result": str(result_path.resolve()),
+            "log": str(log_path.resolve()),
+            "cwd": os.getcwd(),
+            "env": env,
+        }
+        returncode = _run_warm(request, timeout_s)
+    except ZygoteFailed:
+        result_path.unlink(missing_ok=True)
+        start = "fresh" if ranks == 1 else "torchrun"
+        started = time.monotonic()
+        returncode = _run_fresh(command, env, log_path, timeout_s)
     wall = time.monotonic() - started
-    if result_path.exists():
+    if returncode is None:
+        result = failure(
+            config, Status.TIMEOUT, f"no result after the {timeout_s:g}s trial_timeout; killed"
+        )
+    elif result_path.exists():
         result = json.loads(result_path.read_text())
     elif returncode < 0:
         result = failure(config, Status.CRASH, f"killed by {_signal_name(-returncode)}")
@@ -97,6 +250,7 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[s
             config, Status.CRASH, f"exited with code {returncode} without a result: {detail}"
         )
     result["wall_time_s"] = wall
+    result.setdefault("info", {})["trial_start"] = start
     return result
 
 

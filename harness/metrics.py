@@ -8,7 +8,8 @@ METRICS: dict[str, str] = {
     "(CUDA: max_memory_allocated; CPU: tensor accounting)",
     "peak_reserved_bytes": "CUDA only: the caching allocator's peak reservation "
     "(reserved - allocated = caching/fragmentation overhead)",
-    "peak_rss_bytes": "the trial process's resident-set high-water mark over its whole life",
+    "peak_rss_bytes": "the trial process's resident-set high-water mark over its whole life "
+    "(a warm-started trial counts only the shared library pages it touches itself)",
     "mem_param_bytes": "breakdown at the peak: parameters",
     "mem_grad_bytes": "breakdown at the peak: gradients",
     "mem_optim_bytes": "breakdown at the peak: the optimizer's persistent state",
@@ -22,7 +23,7 @@ METRICS: dict[str, str] = {
     "accuracy": "held-out accuracy after the training budget",
     "eval_loss": "held-out cross-entropy after the training budget",
     "train_loss": "mean training loss over the last epoch's worth of steps "
-    "(the per-step losses are the MLflow metric history train_loss_step)",
+    "(the loss curve is the MLflow metric history train_loss_step, at most 500 points)",
     "train_steps": "optimizer steps taken (the budget, or the measured steps if more)",
     "epochs": "epochs trained (train_steps / steps per epoch)",
     "epoch_time_s": "wall time of one epoch including moving batches to the device, "
@@ -30,6 +31,14 @@ METRICS: dict[str, str] = {
     "predicted_peak_bytes": "the estimator's prediction of peak_allocated_bytes, made before "
     "the trial trained (fake tensors: the same code, no allocation)",
     "prediction_ratio": "predicted_peak_bytes / peak_allocated_bytes (1.0: exact)",
+    # Where a trial's time went (the sweep's own overhead is trial_wall_time_s minus these).
+    "estimate_time_s": "seconds the in-trial peak prediction took (before training)",
+    "setup_time_s": "seconds loading the dataset and building model, strategies and optimizer",
+    "train_time_s": "seconds of all training steps: warm-up, memory window, timed steps and "
+    "the rest of the budget",
+    "eval_time_s": "seconds of the held-out evaluation (and strategies' post-training checks)",
+    "memory_step_time_ms": "mean wall time of a step inside the memory window, where tensor "
+    "accounting runs (compare with step_time_ms_p50: why the windows are separate)",
     # Recorded by particular strategies only.
     "sparsity": "prune: fraction of prunable weights that are zero after training",
     "float_linear_weight_bytes": "quantize_int8: bytes of the trained model's Linear weights",

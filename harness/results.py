@@ -2,6 +2,12 @@
 
 ``harness.results.load()`` is the notebook API; ``harness results`` prints or exports the same
 table. MLflow stays the source of truth: nothing here caches or copies results.
+
+Two read paths give the same frame. MLflow's ``search_runs`` builds a Python object per run,
+param, tag and metric: ~19 s for 10,000 trials on a 2-core machine. For a database-backed store
+(``sqlite:///``, ``postgresql://``, ``mysql://``) the same rows are read straight from MLflow's
+own ``runs``/``params``/``tags``/``latest_metrics`` tables in four queries (``make bench``
+measures both); any other store, or a schema this code does not recognise, uses ``search_runs``.
 """
 
 from __future__ import annotations
@@ -117,23 +123,112 @@ def load(
     experiment: str | None = None,
     tracking_uri: str = DEFAULT_TRACKING_URI,
     sweep: str = "latest",
+    via: str = "auto",
 ) -> pd.DataFrame:
     """One row per trial.
 
     ``experiment``: an MLflow experiment (the spec's ``name``); default: the one that ran last.
     ``sweep``: ``"latest"`` (the trials of the experiment's most recent sweep), ``"all"`` (every
-    sweep of the experiment) or a sweep's parent run id.
+    sweep of the experiment) or a sweep's parent run id. ``via``: ``"auto"`` (MLflow's tables
+    directly where the store is a database, else ``search_runs``) or ``"mlflow"`` (always
+    ``search_runs``; the same frame, slower).
     """
     client = _client(tracking_uri)
-    role = f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'"
     if sweep in ("latest", "all"):
         experiment_id, latest = find_sweep(client, experiment)
         parent = latest.info.run_id
     else:
         experiment_id, parent = _sweep_by_id(client, sweep), sweep
-    filter_string = role if sweep == "all" else f"{role} and tags.`{PARENT_TAG}` = '{parent}'"
+    wanted_parent = None if sweep == "all" else parent
+    raw = None if via == "mlflow" else raw_from_database(tracking_uri, experiment_id, wanted_parent)
+    if raw is None:
+        raw = raw_from_search(client, experiment_id, wanted_parent)
+    return tidy(raw)
+
+
+def raw_from_search(client: Any, experiment_id: str, parent: str | None) -> pd.DataFrame:
+    """Trial runs through MLflow's ``search_runs``: one untyped row each (strings as logged)."""
+    role = f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'"
+    filter_string = role if parent is None else f"{role} and tags.`{PARENT_TAG}` = '{parent}'"
     runs = all_runs(client, [experiment_id], filter_string, ["attributes.start_time ASC"])
-    return to_frame(runs)
+    rows = []
+    for run in runs:
+        row: dict[str, Any] = dict(run.data.params)
+        row.update({key: run.data.tags.get(key) for key in TAG_COLUMNS})
+        row.update({k: v for k, v in run.data.metrics.items() if k not in HISTORY_METRICS})
+        row["run_id"] = run.info.run_id
+        row["sweep_run_id"] = run.data.tags.get(PARENT_TAG)
+        row["start_time"] = pd.to_datetime(run.info.start_time, unit="ms", utc=True)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def raw_from_database(tracking_uri: str, experiment_id: str, parent: str | None) -> Any:
+    """The same rows as ``raw_from_search``, read from MLflow's tables in four queries; None
+    when the store is not a database or its tables are not the ones expected."""
+    scheme = tracking_uri.partition(":")[0].partition("+")[0]
+    if scheme not in DATABASE_SCHEMES:
+        return None
+    import sqlalchemy as sa
+
+    trials = (
+        "SELECT r.run_uuid, r.start_time FROM runs r "
+        "JOIN tags role ON role.run_uuid = r.run_uuid AND role.key = :role_key "
+        "AND role.value = :role "
+        + (
+            "JOIN tags parent ON parent.run_uuid = r.run_uuid AND parent.key = :parent_key "
+            "AND parent.value = :parent "
+            if parent is not None
+            else ""
+        )
+        + "WHERE r.experiment_id = :experiment AND r.lifecycle_stage = 'active'"
+    )
+    binds = {
+        "role_key": ROLE_TAG,
+        "role": TRIAL_ROLE,
+        "parent_key": PARENT_TAG,
+        "parent": parent,
+        "experiment": int(experiment_id),
+    }
+    if parent is None:
+        binds.pop("parent")
+
+    def query(sql: str) -> pd.DataFrame:
+        return pd.read_sql(sa.text(sql), connection, params=binds)
+
+    engine = sa.create_engine(tracking_uri)
+    try:
+        with engine.connect() as connection:
+            runs = query(trials + " ORDER BY r.start_time, r.run_uuid")
+            within = f"JOIN ({trials}) t ON t.run_uuid = x.run_uuid"
+            params = query(f"SELECT x.run_uuid, x.key, x.value FROM params x {within}")
+            tags = query(f"SELECT x.run_uuid, x.key, x.value FROM tags x {within}")
+            metrics = query(
+                f"SELECT x.run_uuid, x.key, x.value, x.is_nan FROM latest_metrics x {within}"
+            )
+    except sa.exc.SQLAlchemyError:  # not MLflow's schema as this code knows it
+        return None
+    finally:
+        engine.dispose()
+    metrics = metrics[~metrics["key"].isin(HISTORY_METRICS)]
+    metrics.loc[metrics["is_nan"].astype(bool), "value"] = float("nan")
+    tags = tags[tags["key"].isin([*TAG_COLUMNS, PARENT_TAG])]
+    wide = [
+        table.pivot(index="run_uuid", columns="key", values="value")
+        for table in (params, tags, metrics)
+        if len(table)
+    ]
+    frame = runs.set_index("run_uuid").join(wide) if wide else runs.set_index("run_uuid")
+    frame = frame.rename(columns={PARENT_TAG: "sweep_run_id"}).reset_index(names="run_id")
+    frame.columns.name = None
+    frame["start_time"] = pd.to_datetime(frame["start_time"], unit="ms", utc=True)
+    for column in (*TAG_COLUMNS, "sweep_run_id"):
+        if column not in frame:
+            frame[column] = None
+    return frame
 
 
 @dataclass
@@ -168,17 +263,9 @@ def load_sweep(
     return Sweep(frame, name, parent.info.run_id, dict(parent.data.params), tracking_uri)
 
 
-def to_frame(runs: list[Any]) -> pd.DataFrame:
-    rows = []
-    for run in runs:
-        row: dict[str, Any] = dict(run.data.params)
-        row.update({key: run.data.tags.get(key) for key in TAG_COLUMNS})
-        row.update({k: v for k, v in run.data.metrics.items() if k not in HISTORY_METRICS})
-        row["run_id"] = run.info.run_id
-        row["sweep_run_id"] = run.data.tags.get(PARENT_TAG)
-        row["start_time"] = pd.to_datetime(run.info.start_time, unit="ms", utc=True)
-        rows.append(row)
-    frame = pd.DataFrame(rows)
+def tidy(frame: pd.DataFrame) -> pd.DataFrame:
+    """Untyped trial rows -> the results table: fixed leading columns, proper dtypes."""
+    frame = frame.copy()
     for column in ID_COLUMNS + list(METRICS):
         if column not in frame:
             frame[column] = pd.NA

@@ -249,8 +249,11 @@ class SearchPlan:
         if self.shuffle:
             start = random.Random().randrange(len(keys))
             keys = keys[start:] + keys[:start]
+        taken = self.taken()
         for key in keys:
-            if key in self.taken():
+            # One read of the study for the whole pass; a point that looks free is looked at
+            # again just before it is claimed (another worker may have taken it meanwhile).
+            if key in taken or key in (taken := self.taken()):
                 continue
             trial, point = ask(self.study, self.spec, self.by_key[key])
             config = self.spec.trial_config(point)

@@ -23,7 +23,7 @@ from rich.progress import (
 )
 
 from harness import coordination, preflight, search
-from harness.launch import RETRYABLE, describe, launch_trial
+from harness.launch import RETRYABLE, describe, launch_trial, start_warm_starter
 from harness.spec import Spec
 from harness.tracking import Tracker
 
@@ -70,13 +70,18 @@ class SweepState:
     interrupted: int
 
 
-def prepare(spec: Spec, fresh: bool = False, worker: bool = False) -> SweepState:
+def prepare(
+    spec: Spec, fresh: bool = False, worker: bool = False, runs_trials: bool = True
+) -> SweepState:
     """Open (or start) the sweep's study and MLflow parent run; fail dead workers' trials.
 
     A ``worker`` joins a sweep that others may be running: it neither starts afresh nor deletes
-    half-written trial runs (those may be another worker's, being written right now).
+    half-written trial runs (those may be another worker's, being written right now). Where
+    this process ``runs_trials``, the warm trial starter imports torch meanwhile.
     """
     preflight.check_stores(spec)  # before anything is created or any trial runs
+    if runs_trials:
+        start_warm_starter()
     results_dir = Path(spec.tracking.results_dir)
     study = search.open_study(spec, fresh=fresh)
     interrupted = coordination.fail_stale_trials(study)
@@ -225,7 +230,7 @@ def run_with_workers(
         )
         spec = with_tracking(spec, storage=storage)
     warn_about_cpu_sharing(console, spec)
-    state = prepare(spec, fresh=fresh)
+    state = prepare(spec, fresh=fresh, runs_trials=False)
     source = spec._source or ""
     command = [
         sys.executable, "-m", "harness", "worker", source,
@@ -251,27 +256,26 @@ def run_with_workers(
     return SweepOutcome(spec.experiment, state.parent, len(spec.points()), len(recorded))
 
 
-def gpu_for_worker(index: int) -> str | None:
-    """One GPU per worker on a multi-GPU host (round robin); None on a CPU-only machine."""
+def gpu_count() -> int:
+    """GPUs this host has (torch is imported here only for this, never to run a trial)."""
     import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_for_worker(index: int) -> str | None:
+    """One GPU per worker on a multi-GPU host (round robin); None on a CPU-only machine."""
+    count = gpu_count()
     return str(index % count) if count > 1 else None
 
 
 def warn_about_cpu_sharing(console: Console, spec: Spec) -> None:
-    if spec.device in ("cpu",) or not _has_gpu():
+    if spec.device in ("cpu",) or not gpu_count():
         console.print(
             "[yellow]warning:[/] parallel trials on one CPU share its cores: memory figures "
             "are unaffected, but throughput and step times are distorted. Compare throughput "
             "only from sweeps run with one worker."
         )
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def with_tracking(spec: Spec, **changes: str | None) -> Spec:

@@ -12,7 +12,7 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -23,7 +23,9 @@ from harness.trial.config import TrialConfig
 ROLE_TAG = "harness_role"
 SWEEP_ROLE, TRIAL_ROLE = "sweep", "trial"
 PARENT_TAG = "mlflow.parentRunId"
-BATCH = 1000  # MLflow's log_batch limit on metrics per call
+BATCH = 1000  # MLflow's log_batch limit on entities (metrics + params + tags) per call
+PARAMS_PER_BATCH = 100  # ... and on params per call
+HISTORY_POINTS = 500  # most points of a trial's per-step loss curve kept in MLflow
 ENDED_RUN_STATUS = {
     "ok": "FINISHED",
     "oom": "FINISHED",
@@ -33,10 +35,14 @@ ENDED_RUN_STATUS = {
 
 
 def quiet_mlflow() -> None:
-    """MLflow logs schema migrations and store creation at INFO; users need none of it.
+    """MLflow logs schema migrations and store creation at INFO; users need none of it. Its
+    usage telemetry (on by default in MLflow 3) is switched off unless the user decided
+    otherwise through ``MLFLOW_DISABLE_TELEMETRY``: a sweep must work offline and not report
+    on its users, and each recorded call pays for it.
 
-    Call after importing mlflow: its import configures the "mlflow" logger.
+    Call before using mlflow: its import configures the "mlflow" logger, which this quietens.
     """
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow  # noqa: F401  (configures its loggers, which we then quieten)
 
     for name in ("mlflow", "alembic"):
@@ -131,9 +137,22 @@ def all_runs(
             return runs
 
 
-def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+def loss_curve(losses: list[float], points: int = HISTORY_POINTS) -> list[tuple[int, float]]:
+    """``(step, loss)`` for MLflow's metric history: every step up to ``points`` steps, else the
+    mean of each of ``points`` equal runs of consecutive steps, at the run's last step.
+
+    Why: MLflow stores a history row by row, ~0.1 ms each; a 2,700-step trial took 0.3 s to
+    record, more than the rest of its bookkeeping. The curve looks the same, and every step's
+    loss stays in the trial's ``result.json`` artifact.
+    """
+    if len(losses) <= points:
+        return list(enumerate(losses))
+    curve = []
+    for index in range(points):
+        start, end = index * len(losses) // points, (index + 1) * len(losses) // points
+        chunk = losses[start:end]
+        curve.append((end - 1, sum(chunk) / len(chunk)))
+    return curve
 
 
 class Tracker:
@@ -255,7 +274,7 @@ class Tracker:
             metrics["trial_wall_time_s"] = result["wall_time_s"]
         history = [
             ("train_loss_step", value, step)
-            for step, value in enumerate(result.get("loss_history", []))
+            for step, value in loss_curve(result.get("loss_history", []))
         ]
         self._log(run_id, metrics=metrics, params=trial_params(config, result), history=history)
         self.client.log_artifacts(run_id, str(workdir), artifact_path="trial")
@@ -269,13 +288,16 @@ class Tracker:
         params: dict[str, str] | None = None,
         history: list[tuple[str, float, int]] | None = None,
     ) -> None:
+        """As few ``log_batch`` calls as MLflow's limits allow (one for a typical trial: each
+        call is a database transaction, the bulk of recording cost)."""
         from mlflow.entities import Metric, Param
 
         now = int(time.time() * 1000)
         entries = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()]
         entries += [Metric(k, float(v), now, step) for k, v, step in history or []]
-        for chunk in _chunks(entries, BATCH):
-            self.client.log_batch(run_id, metrics=chunk)
         param_list = [Param(k, v) for k, v in (params or {}).items()]
-        for chunk in _chunks(param_list, 100):
-            self.client.log_batch(run_id, params=chunk)
+        while entries or param_list:
+            some_params, param_list = param_list[:PARAMS_PER_BATCH], param_list[PARAMS_PER_BATCH:]
+            room = BATCH - len(some_params)
+            some_metrics, entries = entries[:room], entries[room:]
+            self.client.log_batch(run_id, metrics=some_metrics, params=some_params)

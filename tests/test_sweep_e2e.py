@@ -175,10 +175,13 @@ def _recorded_trials(db: Path) -> int:
 
 
 def _trial_processes(marker: str) -> list[psutil.Process]:
+    """Trial processes (fresh, torchrun ranks, or forked from the warm zygote, whose command line
+    is the zygote's) and zygotes: every ``harness.trial`` process working in ``marker``."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
+    for process in psutil.process_iter(["cmdline", "cwd"]):
         cmdline = " ".join(process.info["cmdline"] or [])
-        if "harness.trial" in cmdline and marker in cmdline:
+        here = marker in cmdline or (process.info["cwd"] or "").startswith(marker)
+        if "harness.trial" in cmdline and here:
             found.append(process)
     return found
 

@@ -101,3 +101,45 @@ def _a_trial_run(store):
     tracker = store[1]
     run = tracker.client.create_run(tracker.experiment_id, tags={ROLE_TAG: TRIAL_ROLE})
     return run.info.run_id
+
+
+def test_the_database_read_path_gives_search_runs_frame(store, base_spec):
+    """``load`` reads MLflow's tables directly on a database store; it must give exactly the
+    frame ``search_runs`` gives: two sweeps, knobs, failures, a NaN, a deleted run."""
+    import pandas as pd
+
+    from harness.results import raw_from_database
+
+    uri, tracker, parent, folder = store
+    base_spec["model"]["sizes"] = {"a": {"width": 8, "depth": 1}, "b": {"width": 16, "depth": 2}}
+    base_spec["grid"]["batch_size"] = [16, 32]
+    configs = parse_spec(base_spec).trials()
+    metrics = {"throughput": 10.0, "peak_allocated_bytes": 2048.0, "accuracy": 0.5}
+    run_ids = [
+        record(tracker, parent, folder / f"t{i}", c, metrics={**metrics, "accuracy": i / 10})
+        for i, c in enumerate(configs)
+    ]
+    tracker.client.log_metric(run_ids[0], "eval_loss", float("nan"))
+    record(tracker, parent, folder / "crash", configs[1], status="crash")
+    tracker.client.delete_run(run_ids[1])
+    second = tracker.open_sweep(None, "sweep exp", tags={}, params={"n_trials": "1"})
+    record(tracker, second, folder / "later", configs[2], metrics=metrics)
+    for sweep in ("latest", "all", parent):
+        fast, slow = load("exp", uri, sweep=sweep), load("exp", uri, sweep=sweep, via="mlflow")
+        pd.testing.assert_frame_equal(fast, slow)
+    every = load("exp", uri, sweep="all")
+    assert len(every) == 5 and run_ids[1] not in set(every["run_id"])
+    assert every.loc[every["run_id"] == run_ids[0], "eval_loss"].isna().all()
+    assert raw_from_database("http://127.0.0.1:5000", "1", None) is None  # a server: search_runs
+
+
+def test_long_loss_histories_are_kept_as_bucket_means():
+    from harness.tracking import loss_curve
+
+    assert loss_curve([3.0, 2.0, 1.0]) == [(0, 3.0), (1, 2.0), (2, 1.0)]
+    ramp = [float(step) for step in range(2000)]
+    curve = loss_curve(ramp, points=500)
+    assert len(curve) == 500
+    assert curve[0] == (3, 1.5) and curve[-1] == (1999, 1997.5)  # mean of steps 0-3, 1996-1999
+    uneven = loss_curve([1.0] * 1001, points=500)
+    assert len(uneven) == 500 and uneven[-1][0] == 1000 and {v for _, v in uneven} == {1.0}

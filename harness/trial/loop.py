@@ -82,7 +82,8 @@ class Trial:
         self.ranks = ranks = Ranks.from_env()
         target = resolve_device(cfg.device)
         # Before joining the process group: a multi-rank estimate runs on a fake group of its own.
-        self.predict(target)
+        with self.clock("estimate_time_s"):
+            self.predict(target)
         self.device = device = ranks.start(target)
         self.info.update(
             device=str(device),
@@ -91,27 +92,43 @@ class Trial:
         )
         emulate_card(device, cfg.device_memory_bytes)
         seed_everything(cfg.seed)
-        data = load_dataset(cfg.dataset, self.data_options(), cfg.seed)
-        self.build(data.info, data)
+        with self.clock("setup_time_s"):
+            data = load_dataset(cfg.dataset, self.data_options(), cfg.seed)
+            self.build(data.info, data)
         per_epoch = steps_per_epoch(len(data.train_x), cfg.batch_size)
         budget_steps = cfg.budget.get("steps") or cfg.budget.get("epochs", 1) * per_epoch
         measured = cfg.warmup_steps + cfg.memory_steps + cfg.timed_steps
         total_steps = max(budget_steps, measured)
         stream = batches(data.train_x, data.train_y, cfg.batch_size, cfg.seed)
 
-        self.warm_up(stream, cfg.warmup_steps)
-        self.measure_memory(stream, cfg.memory_steps)
-        self.measure_speed(stream, cfg.timed_steps)
-        self.train_rest(stream, total_steps - measured, per_epoch)
-        # Every rank evaluates the whole held-out split (sharded models need all ranks in
-        # each forward); the results agree, rank 0 reports them.
-        self.metrics.update(evaluate(self.model, data, device, self.precision, self.prepare_batch))
-        for strategy in self.strategies:
-            self.metrics.update(strategy.after_training(self.model, self.ctx))
+        with self.clock("train_time_s"):
+            self.warm_up(stream, cfg.warmup_steps)
+            self.measure_memory(stream, cfg.memory_steps)
+            self.measure_speed(stream, cfg.timed_steps)
+            self.train_rest(stream, total_steps - measured, per_epoch)
+        with self.clock("eval_time_s"):
+            # Every rank evaluates the whole held-out split (sharded models need all ranks in
+            # each forward); the results agree, rank 0 reports them.
+            self.metrics.update(
+                evaluate(self.model, data, device, self.precision, self.prepare_batch)
+            )
+            for strategy in self.strategies:
+                self.metrics.update(strategy.after_training(self.model, self.ctx))
         window = self.loss_history[-per_epoch:]
         self.metrics["train_loss"] = sum(window) / len(window)
         self.metrics["train_steps"] = float(self.steps_done)
         self.metrics["epochs"] = self.steps_done / per_epoch
+
+    @contextlib.contextmanager
+    def clock(self, metric: str) -> Iterator[None]:
+        """Wall time of one phase, so a sweep's own overhead can be told from training time."""
+        synchronize(getattr(self, "device", torch.device("cpu")))
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(getattr(self, "device", torch.device("cpu")))
+            self.metrics[metric] = time.perf_counter() - start
 
     def data_options(self) -> dict[str, Any]:
         options = dict(self.config.data_options)
@@ -182,9 +199,14 @@ class Trial:
         )
         self.after_micro_batch = window.step_done
         with window:
+            synchronize(self.device)
+            start = time.perf_counter()
             for batch in staged:
                 self.record_loss(self.train_step(*batch))
+            synchronize(self.device)
+            tracked_s = time.perf_counter() - start
         self.after_micro_batch = lambda: None
+        self.metrics["memory_step_time_ms"] = tracked_s / max(steps, 1) * 1000
         del staged
         assert window.reading is not None
         reading = self.ranks.worst_memory(window.reading.metrics())

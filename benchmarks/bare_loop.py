@@ -1,0 +1,87 @@
+"""The physical baseline: ``python -m benchmarks.bare_loop CONFIG.json OUT.json``.
+
+A plain PyTorch training loop doing exactly the work a harness trial times (the same model
+code, data, batch, dtype, optimizer settings and number of steps), with none of the harness
+around it: no strategies, no precision wrapper, no process group, no loss bookkeeping. Each
+step is timed like the harness times it (device synchronised, medians), and the wall clock of
+the whole block is reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from harness.trial.config import TrialConfig
+from harness.workloads import build_model, load_dataset, resolve_knobs
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(config_path: str, out_path: str) -> None:
+    config = TrialConfig.from_json(Path(config_path).read_text())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(config.seed)
+    knobs = resolve_knobs(config.model_family, config.model_knobs)
+    options = dict(config.data_options)
+    if "seq_len" in knobs:
+        options.setdefault("seq_len", knobs["seq_len"])
+    data = load_dataset(config.dataset, options, config.seed)
+    model = build_model(config.model_family, knobs, data.info).to(device).train()
+    optimizer = torch.optim.Adam(
+        model.parameters(),
+        lr=config.optimizer.get("lr", 1e-3),
+        foreach=config.optimizer.get("foreach", False),
+        fused=False,
+    )
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.dtype)
+    size = config.batch_size
+    warmup = config.warmup_steps + config.memory_steps
+    steps = warmup + config.timed_steps
+    batches = min(steps, len(data.train_x) // size)  # distinct batches, used in turn
+    staged = [
+        (data.train_x[i * size : (i + 1) * size], data.train_y[i * size : (i + 1) * size])
+        for i in range(batches)
+    ]
+    staged = [(x.to(device), y.to(device)) for x, y in staged]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(x)
+        F.cross_entropy(logits.flatten(0, -2).float(), y.flatten()).backward()
+        optimizer.step()
+
+    seconds = []
+    for index in range(steps):
+        x, y = staged[index % len(staged)]
+        synchronize(device)
+        start = time.perf_counter()
+        step(x, y)
+        synchronize(device)
+        if index >= warmup:
+            seconds.append(time.perf_counter() - start)
+    samples = size * data.info.tokens_per_sample
+    Path(out_path).write_text(
+        json.dumps(
+            {
+                "throughput": samples / statistics.median(seconds),
+                "throughput_wall": samples * len(seconds) / sum(seconds),
+                "step_time_ms_p50": statistics.median(seconds) * 1000,
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
