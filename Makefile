@@ -11,7 +11,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 FORMAT ?= table
 
-.PHONY: install sweep results test test-fast bench lint ui clean
+.PHONY: install browser sweep results test test-fast bench lint ui clean
 
 install: $(STAMP)
 
@@ -28,7 +28,17 @@ sweep: $(STAMP)
 results: $(STAMP)
 	$(BIN)/harness results --format $(FORMAT)
 
-test: $(STAMP)
+# The report's real-browser test needs Debian's Chromium and ChromeDriver; installed when
+# missing and possible (root + apt), else that one test is skipped (outside CI) with the reason.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium + chromium-driver (Debian packages) for the browser test"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			chromium chromium-driver >/dev/null; \
+	else echo "note: no chromium/chromedriver and no root apt-get: the browser test will skip"; fi
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)

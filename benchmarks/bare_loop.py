@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from harness.trial.config import TrialConfig
 from harness.workloads import build_model, load_dataset, resolve_knobs
+from harness.workloads.tensors import batches
 
 
 def synchronize(device: torch.device) -> None:
@@ -47,12 +48,10 @@ def main(config_path: str, out_path: str) -> None:
     size = config.batch_size
     warmup = config.warmup_steps + config.memory_steps
     steps = warmup + config.timed_steps
-    batches = min(steps, len(data.train_x) // size)  # distinct batches, used in turn
-    staged = [
-        (data.train_x[i * size : (i + 1) * size], data.train_y[i * size : (i + 1) * size])
-        for i in range(batches)
-    ]
-    staged = [(x.to(device), y.to(device)) for x, y in staged]
+    # The very batches a harness trial trains on, each its own tensor, all staged on the device
+    # before the loop starts, as the harness stages its timed window.
+    stream = batches(data.train_x, data.train_y, size, config.seed)
+    staged = [tuple(t.to(device) for t in next(stream)) for _ in range(steps)]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -62,8 +61,7 @@ def main(config_path: str, out_path: str) -> None:
         optimizer.step()
 
     seconds = []
-    for index in range(steps):
-        x, y = staged[index % len(staged)]
+    for index, (x, y) in enumerate(staged):
         synchronize(device)
         start = time.perf_counter()
         step(x, y)

@@ -306,11 +306,13 @@ def report(
         dominance_table(analysis).to_html(index=False),
         pareto_figure.to_html(full_html=False, include_plotlyjs=True, div_id="pareto"),
         breakdown.to_html(full_html=False, include_plotlyjs=False, div_id="breakdown"),
+        *front_timelines(sweep, analysis),
         "<h2>All trials</h2>",
         results.to_html(index=False, na_rep="-"),
     ]
     page = (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        # No favicon request: the page is one self-contained file.
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><link rel='icon' href='data:,'>"
         f"<title>harness report: {html.escape(sweep.experiment)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;"
         "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px}</style></head><body>"
@@ -320,3 +322,110 @@ def report(
     path.write_text(page)
     publish(sweep, [path], "report")
     click.echo(f"wrote {path} (also on MLflow run {sweep.parent_run_id})")
+
+
+# ---- harness timeline ------------------------------------------------------------------------
+
+REPORT_TIMELINES = 8  # most Pareto-front trials whose timelines the report shows
+
+
+def front_timelines(sweep: Any, analysis: Any) -> list[str]:
+    """HTML for the memory timelines of the Pareto-front trials (those that have one)."""
+    from harness import plots
+
+    front = analysis.front.sort_values(analysis.objectives[0].metric).head(REPORT_TIMELINES)
+    parts = []
+    for index, (_, row) in enumerate(front.iterrows()):
+        try:
+            data = trial_timeline(sweep, row)
+        except click.ClickException:
+            continue
+        figure = plots.timeline_figure(plots.config_label(row), data)
+        parts.append(
+            figure.to_html(full_html=False, include_plotlyjs=False, div_id=f"timeline-{index}")
+        )
+    if not parts:
+        return []
+    return [
+        "<h2>Memory timelines of the Pareto-front trials</h2>",
+        "<p>Bytes held by tensors after each op of the memory window, by category; bands: "
+        "forward (blue), backward (orange), recomputation (red), optimizer step (green).</p>",
+        *parts,
+    ]
+
+
+def trial_row(sweep: Any, key_or_run: str) -> pd.Series:
+    """The trial with this run id or trial key (the latest run of it in the sweep)."""
+    frame = sweep.frame
+    found = frame[(frame["run_id"] == key_or_run) | (frame["trial_key"] == key_or_run)]
+    if found.empty:
+        raise click.ClickException(
+            f"no trial with run id or trial key {key_or_run!r} in experiment "
+            f"{sweep.experiment!r} (see the trial_key and run_id columns of harness results)"
+        )
+    return found.sort_values("start_time").iloc[-1]
+
+
+def trial_timeline(sweep: Any, row: pd.Series) -> dict[str, Any]:
+    """The trial's ``timeline.json`` artifact, read from MLflow."""
+    import json
+    import tempfile
+
+    from harness.tracking import quiet_mlflow
+    from harness.trial.config import TIMELINE_FILE
+
+    quiet_mlflow()
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=sweep.tracking_uri)
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            path = client.download_artifacts(row["run_id"], f"trial/{TIMELINE_FILE}", folder)
+            return json.loads(Path(path).read_text())
+        except (MlflowException, OSError, ValueError):
+            raise click.ClickException(
+                f"trial {row['trial_key']} (run {row['run_id']}, status {row['status']}) has no "
+                "memory timeline: it ended before its memory window, ran with "
+                "measure.timeline: false, or was recorded before timelines existed"
+            ) from None
+
+
+def timeline_peaks(data: dict[str, Any]) -> tuple[int, int]:
+    """(highest total, highest activation bytes) over the window."""
+    samples = data["samples"]
+    return max(samples["total"], default=0), max(samples["activation"], default=0)
+
+
+@click.command()
+@click.argument("trial")
+@click.option("--compare", "other", default=None, help="A second trial to overlay.")
+@click.option("--experiment", "-e", default=None, help="Experiment; default: the one run last.")
+@click.option("--tracking-uri", default="sqlite:///results/mlflow.db", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PNG to write; default results/<experiment>/timelines/<trial>[-vs-<other>].png")  # fmt: skip
+def timeline(
+    trial: str, other: str | None, experiment: str | None, tracking_uri: str, out: Path | None
+) -> None:
+    """Draw a trial's memory timeline (TRIAL: its run id or trial key), or overlay two."""
+    from harness import plots
+
+    sweep = open_sweep(experiment, "all", tracking_uri)
+    rows = [trial_row(sweep, trial)] + ([trial_row(sweep, other)] if other else [])
+    timelines = [(plots.config_label(row), trial_timeline(sweep, row)) for row in rows]
+    name = "-vs-".join(str(row["trial_key"]) for row in rows)
+    path = out or output_dir(sweep, None) / "timelines" / f"{name}.png"
+    title = " vs ".join(label for label, _ in timelines)
+    plots.timeline_png(timelines, path, f"memory timeline: {title}")
+    table = Table(title="memory timeline")
+    for column in ("trial", "trial_key", "peak (total)", "peak activations", "ops"):
+        table.add_column(column)
+    for (label, data), row in zip(timelines, rows, strict=True):
+        total, activations = timeline_peaks(data)
+        table.add_row(
+            label, str(row["trial_key"]), format_bytes(total), format_bytes(activations),
+            str(data["ops"]),
+        )  # fmt: skip
+    Console().print(table)
+    click.echo(f"wrote {path}")
+

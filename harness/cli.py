@@ -342,9 +342,9 @@ def results(
 
 
 def _register_analysis_commands() -> None:
-    from harness.analysis_cli import pareto, recommend, report
+    from harness.analysis_cli import pareto, recommend, report, timeline
 
-    for command in (pareto, recommend, report):
+    for command in (pareto, recommend, report, timeline):
         main.add_command(command)
 
 

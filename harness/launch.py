@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from harness.strategies import world_size
-from harness.trial.config import TrialConfig
+from harness.trial.config import SNAPSHOT_FILE, TIMELINE_FILE, TIMELINE_PNG, TrialConfig
 from harness.trial.outcome import Status, failure_result
 from harness.units import format_bytes
 
 RETRYABLE = {Status.CRASH.value, Status.TIMEOUT.value}
+TRIAL_FILES = (TIMELINE_FILE, TIMELINE_PNG, SNAPSHOT_FILE)
 
 
 def failure(config: TrialConfig, status: Status, reason: str) -> dict[str, Any]:
@@ -210,7 +211,8 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[s
         workdir / "trial.log",
     )
     config_path.write_text(config.to_json())
-    result_path.unlink(missing_ok=True)
+    for stale in (result_path, *(workdir / name for name in TRIAL_FILES)):
+        stale.unlink(missing_ok=True)  # left by an earlier attempt at this trial
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "harness.trial", str(config_path), str(result_path)]
     ranks = world_size(config.strategy)

@@ -23,7 +23,7 @@ METRICS: dict[str, str] = {
     "accuracy": "held-out accuracy after the training budget",
     "eval_loss": "held-out cross-entropy after the training budget",
     "train_loss": "mean training loss over the last epoch's worth of steps "
-    "(the loss curve is the MLflow metric history train_loss_step, at most 500 points)",
+    "(the loss curve is the MLflow metric history train_loss_step, at most 250 points)",
     "train_steps": "optimizer steps taken (the budget, or the measured steps if more)",
     "epochs": "epochs trained (train_steps / steps per epoch)",
     "epoch_time_s": "wall time of one epoch including moving batches to the device, "

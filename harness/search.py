@@ -158,7 +158,7 @@ def tell(study: Any, trial: Any, spec: Spec, result: dict[str, Any], run_id: str
     """Report the trial: its values and memory constraint, or FAIL when it has no values."""
     from optuna.trial import TrialState
 
-    trial.set_user_attr("trial_key", result["trial_key"])
+    # (trial_key is already on the trial: coordination.claim named it; each write is a commit)
     trial.set_user_attr("status", result["status"])
     trial.set_user_attr("mlflow_run_id", run_id)
     values = objective_values(spec, result)

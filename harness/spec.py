@@ -244,6 +244,8 @@ class MeasureSpec(Strict):
     warmup_steps: int = Field(2, ge=1)  # >= 1: the optimizer state must exist before measuring
     memory_steps: int = Field(2, ge=1)
     timed_steps: int = Field(10, ge=1)
+    # Record the memory timeline in the (untimed) memory window: a JSON + PNG per trial.
+    timeline: bool = True
 
 
 class ObjectiveSpec(Strict):
@@ -416,6 +418,7 @@ class Spec(Strict):
             device_memory_bytes=self.device_memory,
             python_path=[spec_dir, str(Path.cwd())],
             run_infeasible=self.limits.run_infeasible,
+            timeline=self.measure.timeline,
         )
 
     def points(self) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ again, and a trial interrupted by a killed sweep is run anew.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from harness import coordination, preflight, search
 from harness.launch import RETRYABLE, describe, launch_trial, start_warm_starter
 from harness.spec import Spec
 from harness.tracking import Tracker
+from harness.trial.config import TIMELINE_FILE, TIMELINE_PNG
 
 
 @dataclass
@@ -191,6 +193,9 @@ def work(
                     workdir = experiment_dir / "trials" / config.trial_key
                     with coordination.heartbeat(trial):
                         result = run_with_retries(spec, config, workdir)
+                    problem = draw_timeline(workdir, label)
+                    if problem:
+                        progress.console.print(f"[yellow]{problem}[/]", soft_wrap=True)
                     run_id = tracker.log_trial(parent, config, result, workdir, started_ms, label)
                     search.tell(study, trial, spec, result, run_id)
                     progress.console.print(
@@ -254,6 +259,22 @@ def run_with_workers(
     recorded = state.tracker.recorded_trials(state.parent)
     state.tracker.close_sweep(state.parent, status_counts(recorded))
     return SweepOutcome(spec.experiment, state.parent, len(spec.points()), len(recorded))
+
+
+def draw_timeline(workdir: Path, label: str) -> str | None:
+    """Draw the trial's memory timeline beside its JSON, so both are logged with the trial.
+    Returns what went wrong instead of raising: a picture must never cost a recorded trial."""
+    source = workdir / TIMELINE_FILE
+    if not source.exists():
+        return None
+    try:
+        from harness import plots
+
+        data = json.loads(source.read_text())
+        plots.timeline_png([(label, data)], workdir / TIMELINE_PNG, f"memory timeline: {label}")
+    except Exception as error:  # a damaged file or a plotting failure: report, go on
+        return f"memory timeline of {label} not drawn: {type(error).__name__}: {error}"
+    return None
 
 
 def gpu_count() -> int:

@@ -25,7 +25,7 @@ SWEEP_ROLE, TRIAL_ROLE = "sweep", "trial"
 PARENT_TAG = "mlflow.parentRunId"
 BATCH = 1000  # MLflow's log_batch limit on entities (metrics + params + tags) per call
 PARAMS_PER_BATCH = 100  # ... and on params per call
-HISTORY_POINTS = 500  # most points of a trial's per-step loss curve kept in MLflow
+HISTORY_POINTS = 250  # most points of a trial's per-step loss curve kept in MLflow
 ENDED_RUN_STATUS = {
     "ok": "FINISHED",
     "oom": "FINISHED",
@@ -43,6 +43,7 @@ def quiet_mlflow() -> None:
     Call before using mlflow: its import configures the "mlflow" logger, which this quietens.
     """
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per file
     import mlflow  # noqa: F401  (configures its loggers, which we then quieten)
 
     for name in ("mlflow", "alembic"):

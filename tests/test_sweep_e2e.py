@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import os
 import shutil
 import sqlite3
@@ -143,6 +144,13 @@ def test_default_sweep_end_to_end(tmp_path):
             "select count(*) from tags where key='mlflow.parentRunId'"
         ).fetchone()[0]
     assert parents == 1 and children == len(frame) >= 12
+    # Every ok trial's run carries its memory timeline, whose highest total is the trial's peak.
+    artifacts = tmp_path / "results" / "mlartifacts" / "digits-cnn"
+    for _, row in frame[frame["status"] == "ok"].iterrows():
+        trial_files = artifacts / row["run_id"] / "artifacts" / "trial"
+        timeline = json.loads((trial_files / "timeline.json").read_text())
+        assert (trial_files / "timeline.png").stat().st_size > 5_000
+        assert abs(max(timeline["samples"]["total"]) / row["peak_allocated_bytes"] - 1) <= 0.01
 
 
 def test_rerun_resumes_without_repeating_or_duplicating(faults_sweep):

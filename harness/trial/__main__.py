@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     try:
         from harness.trial.loop import run_trial
 
-        result = run_trial(config)
+        result = run_trial(config, result_path.parent)
     except Exception as error:  # any bug or bad user code: recorded, never fatal to the sweep
         traceback.print_exc()
         reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]

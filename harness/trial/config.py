@@ -7,7 +7,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-NOT_DEFINING = ("python_path", "run_infeasible")
+NOT_DEFINING = ("python_path", "run_infeasible", "timeline")
+# Files a trial writes beside its result.json (all logged as MLflow artifacts under trial/).
+TIMELINE_FILE = "timeline.json"  # harness.meters.timeline's samples of the memory window
+TIMELINE_PNG = "timeline.png"  # drawn from it by the sweep (matplotlib is not a trial need)
+SNAPSHOT_FILE = "memory_snapshot.pickle"  # CUDA only: for PyTorch's memory viewer
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,12 @@ class TrialConfig:
     timed_steps: int = 10
     device: str = "auto"
     device_memory_bytes: int | None = None
-    # Not part of the key: where user model code (``module:attr``) is importable from, and
-    # whether to run a trial even when it is predicted not to fit.
+    # Not part of the key: where user model code (``module:attr``) is importable from, whether
+    # to run a trial even when it is predicted not to fit, and whether to record the memory
+    # timeline (it changes no measurement).
     python_path: list[str] = field(default_factory=list)
     run_infeasible: bool = False
+    timeline: bool = True
 
     @property
     def strategy_text(self) -> str:

@@ -9,11 +9,13 @@ budget.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from harness.meters.memory import MemoryWindow
 from harness.meters.timing import StepTimer, synchronize
 from harness.strategies import build_strategies
 from harness.strategies.base import TrialContext
-from harness.trial.config import TrialConfig
+from harness.trial.config import SNAPSHOT_FILE, TIMELINE_FILE, TrialConfig
 from harness.trial.distributed import Ranks
 from harness.trial.modules import convert
 from harness.trial.optim import build_optimizer
@@ -63,8 +65,10 @@ def emulate_card(device: torch.device, budget: int | None) -> None:
 class Trial:
     """Runs one ``TrialConfig`` and collects what it measured, even when it ends early."""
 
-    def __init__(self, config: TrialConfig) -> None:
+    def __init__(self, config: TrialConfig, output_dir: Path | None = None) -> None:
         self.config = config
+        # Where the trial writes files beside its result (the memory timeline); None: nowhere.
+        self.output_dir = output_dir
         self.metrics: dict[str, float] = {}
         self.loss_history: list[float] = []
         self.info: dict[str, Any] = {"torch_version": torch.__version__}
@@ -194,8 +198,14 @@ class Trial:
 
     def measure_memory(self, stream: Iterator[Any], steps: int) -> None:
         staged = [self.to_device(next(stream)) for _ in range(steps)]
+        record = self.config.timeline and self.output_dir is not None and self.ranks.is_writer
         window = MemoryWindow(
-            self.device, self.model, self.optimizer, [t for b in staged for t in b]
+            self.device,
+            self.model,
+            self.optimizer,
+            [t for b in staged for t in b],
+            timeline=record,
+            allocator_snapshot=str(self.output_dir / SNAPSHOT_FILE) if record else None,
         )
         self.after_micro_batch = window.step_done
         with window:
@@ -207,6 +217,12 @@ class Trial:
             tracked_s = time.perf_counter() - start
         self.after_micro_batch = lambda: None
         self.metrics["memory_step_time_ms"] = tracked_s / max(steps, 1) * 1000
+        timeline = window.timeline(steps, self.micro_batches)
+        if timeline is not None and self.output_dir is not None:
+            timeline["trial_key"] = self.config.trial_key
+            (self.output_dir / TIMELINE_FILE).write_text(
+                json.dumps(timeline, separators=(",", ":"))
+            )
         del staged
         assert window.reading is not None
         reading = self.ranks.worst_memory(window.reading.metrics())
@@ -344,13 +360,14 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def run_trial(config: TrialConfig) -> dict[str, Any]:
-    """Run one trial in this process and return its plain-JSON result.
+def run_trial(config: TrialConfig, output_dir: Path | None = None) -> dict[str, Any]:
+    """Run one trial in this process and return its plain-JSON result (and, in ``output_dir``,
+    its memory timeline).
 
     Ends with ``ok``, or ``oom``/``diverged`` (measurements so far kept). Any other exception
     propagates: the worker entry point records it as ``crash``.
     """
-    trial = Trial(config)
+    trial = Trial(config, output_dir)
     try:
         trial.run()
     except TrialFailure as failure:

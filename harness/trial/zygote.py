@@ -35,7 +35,12 @@ POLL_S = 0.02  # without a pidfd: how often a running trial's zygote looks at it
 
 def preload() -> None:
     """Import what every trial needs: torch, the trial loop, the estimator, every registered
-    model family's and dataset's module (torchvision among them). Missing extras are skipped."""
+    model family's and dataset's module (torchvision among them). Missing extras are skipped.
+
+    Imports only: running anything here would be inherited by every child, and some of it
+    cannot be (autograd's engine threads refuse to run in a forked child once started: a
+    warm-up estimate here, which saved ~0.1 s a trial, made every trial crash).
+    """
     import torch  # noqa: F401
 
     from harness.workloads import DATASETS, FAMILIES

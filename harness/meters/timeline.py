@@ -1,0 +1,119 @@
+"""Memory over time in the memory window: live tensor bytes by category after every op, with
+the phase each op ran in (forward, backward, recomputation, optimizer step) and its micro-batch.
+
+A peak says *how much*; the timeline says *when* and *why*: activations climb through the
+forward pass and fall through backward, gradients appear, the optimizer step adds temporaries,
+and under checkpointing the recomputation shows as a saw-tooth inside backward. The samples
+come from the same accounting as the peak (``MemTracker``'s running snapshot, read after each op,
+where its own peak is taken), so the timeline's highest total is the trial's
+``peak_allocated_bytes`` on CPU. On CUDA the allocator's ``memory_allocated`` and
+``memory_reserved`` are sampled beside it (reserved - allocated = caching/fragmentation).
+
+It runs only inside the memory window, which is never timed, and only when the spec's
+``measure.timeline`` is on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harness.meters.memory import MemTracker, _MemRefType
+
+CATEGORIES = ("param", "grad", "optim", "activation", "other")
+PHASES = ("forward", "backward", "recompute", "optimizer")
+MAX_SAMPLES = 20_000  # beyond this, every k-th sample is kept (and always the peak)
+FORMAT_VERSION = 1
+
+
+class TimelineTracker(MemTracker):
+    """``MemTracker`` that also keeps a sample of its running snapshot after every op."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.persistent_optim = 0  # the optimizer state's own bytes: the rest of OPT is "other"
+        self.micro_batch = 0
+        self.ops = 0
+        self.rows: list[tuple[int, ...]] = []
+
+    def _update_peak_stats(self, peak_state: Any) -> None:  # after every op (MemTracker)
+        super()._update_peak_stats(peak_state)
+        self.ops += 1
+        self.sample()
+
+    def phase(self) -> int:
+        if self._in_opt:
+            return PHASES.index("optimizer")
+        if self._mod_tracker.is_bw:
+            return PHASES.index("recompute" if self._in_ac else "backward")
+        return PHASES.index("forward")
+
+    def sample(self) -> None:
+        snap = next(
+            (s for dev, s in self._curr_mem_snap.items() if dev.type == self.device.type), {}
+        )
+        optim_total = snap.get(_MemRefType.OPT, 0)
+        optim = min(self.persistent_optim, optim_total)
+        other = (
+            snap.get(_MemRefType.BUFFER, 0)
+            + snap.get(_MemRefType.TEMP, 0)
+            + snap.get(_MemRefType.OTH, 0)
+            + optim_total
+            - optim
+        )
+        row = (
+            self.phase(),
+            self.micro_batch,
+            snap.get(_MemRefType.PARAM, 0),
+            snap.get(_MemRefType.GRAD, 0),
+            optim,
+            snap.get(_MemRefType.ACT, 0),
+            other,
+        )
+        if self.device.type == "cuda":
+            row += (
+                torch.cuda.memory_allocated(self.device),
+                torch.cuda.memory_reserved(self.device),
+            )
+        if self.rows and self.rows[-1][1:] == row:
+            return  # nothing changed since the last kept sample: a step plot stays exact
+        self.rows.append((self.ops, *row))
+
+    def close(self) -> None:
+        """The last op's state, so a step plot runs to the end of the window."""
+        if self.rows and self.rows[-1][0] != self.ops:
+            self.rows.append((self.ops, *self.rows[-1][1:]))
+
+    def to_json(self, steps: int, micro_batches: int) -> dict[str, Any]:
+        """Columnar, compact: one list per field, bytes as integers."""
+        rows = self.rows
+        if rows:
+            totals = [sum(r[3:8]) for r in rows]
+            peak = max(range(len(rows)), key=totals.__getitem__)
+            if len(rows) > MAX_SAMPLES:
+                stride = -(-len(rows) // MAX_SAMPLES)
+                keep = sorted(set(range(0, len(rows), stride)) | {peak, len(rows) - 1})
+                rows = [rows[i] for i in keep]
+                peak = keep.index(peak)
+        else:
+            peak = None
+        fields = ["op", "phase", "micro_batch", *CATEGORIES]
+        if self.device.type == "cuda":
+            fields += ["allocated", "reserved"]
+        columns = {name: [r[i] for r in rows] for i, name in enumerate(fields)}
+        totals = [sum(r[3:8]) for r in rows]
+        return {
+            "format": FORMAT_VERSION,
+            "device": self.device.type,
+            "unit": "bytes",
+            "categories": list(CATEGORIES),
+            "phases": list(PHASES),
+            "steps": steps,
+            "micro_batches_per_step": micro_batches,
+            "ops": self.ops,
+            "peak_index": peak,
+            "peak_total": totals[peak] if peak is not None else 0,
+            "samples": {**columns, "total": totals},
+        }

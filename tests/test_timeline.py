@@ -1,0 +1,143 @@
+"""Memory timelines: recorded by every trial, drawn, compared, and shown in the report, which a
+real headless Chromium opens over HTTP."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import threading
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from harness.results import load
+from tests.conftest import run_cli, write_spec
+
+pytestmark = pytest.mark.slow
+
+SPEC = {
+    "name": "timelines",
+    "model": {
+        "family": "gpt",
+        "sizes": {"t": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}},
+    },
+    "data": {"dataset": "text"},
+    "grid": {"batch_size": [8], "dtype": ["fp32"], "strategy": ["none", "checkpoint"]},
+    "train": {"optimizer": {"name": "adam", "lr": 1.0e-3}, "budget": {"steps": 6}, "seed": 0},
+    "measure": {"warmup_steps": 1, "memory_steps": 2, "timed_steps": 2},
+    "device": "cpu",
+}
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("timelines")
+    done = run_cli("sweep", str(write_spec(folder, SPEC)), cwd=folder)
+    assert done.returncode == 0, done.stderr
+    uri = f"sqlite:///{folder}/results/mlflow.db"
+    return folder, uri, load("timelines", uri)
+
+
+def artifact_json(uri: str, run_id: str, folder) -> dict:
+    path = MlflowClient(tracking_uri=uri).download_artifacts(run_id, "trial/timeline.json", folder)
+    return json.loads(open(path).read())
+
+
+def test_every_ok_trial_logs_a_timeline_whose_peak_is_the_trials(swept, tmp_path):
+    _, uri, frame = swept
+    client = MlflowClient(tracking_uri=uri)
+    assert (frame["status"] == "ok").all() and len(frame) == 2
+    for _, row in frame.iterrows():
+        names = {a.path for a in client.list_artifacts(row["run_id"], "trial")}
+        assert {"trial/timeline.json", "trial/timeline.png"} <= names
+        data = artifact_json(uri, row["run_id"], tmp_path / row["trial_key"])
+        samples = data["samples"]
+        assert max(samples["total"]) == data["peak_total"]
+        assert abs(data["peak_total"] / row["peak_allocated_bytes"] - 1) <= 0.01
+        assert set(data["phases"][p] for p in samples["phase"]) >= {
+            "forward",
+            "backward",
+            "optimizer",
+        }
+        assert max(samples["micro_batch"]) >= 1  # two steps, both in the window
+
+
+def test_timeline_overlays_checkpoint_on_its_none_twin(swept, tmp_path):
+    folder, uri, frame = swept
+    keys = dict(zip(frame["strategy"], frame["trial_key"], strict=True))
+    out = tmp_path / "overlay.png"
+    done = run_cli(
+        "timeline", keys["checkpoint"], "--compare", keys["none"], "--out", str(out),
+        "--tracking-uri", uri, cwd=folder,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    by_strategy = {
+        row["strategy"]: artifact_json(uri, row["run_id"], tmp_path / row["strategy"])
+        for _, row in frame.iterrows()
+    }
+    checkpoint, none = by_strategy["checkpoint"], by_strategy["none"]
+    assert max(checkpoint["samples"]["activation"]) < max(none["samples"]["activation"])
+    recomputed = {checkpoint["phases"][p] for p in checkpoint["samples"]["phase"]}
+    assert "recompute" in recomputed  # the saw-tooth: forward re-run inside backward
+    assert "recompute" not in {none["phases"][p] for p in none["samples"]["phase"]}
+
+
+def test_timeline_of_an_unknown_trial_is_one_clear_line(swept):
+    folder, uri, _ = swept
+    done = run_cli("timeline", "feedfacefeedface", "--tracking-uri", uri, cwd=folder)
+    assert done.returncode == 1
+    assert "no trial with run id or trial key 'feedfacefeedface'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_report_renders_in_headless_chromium(swept, tmp_path):
+    """Served on 127.0.0.1, opened by Debian's Chromium: plots drawn, no console errors."""
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        if os.environ.get("CI"):
+            pytest.fail("CI must have chromium + chromedriver (make browser installs them)")
+        pytest.skip("chromium / chromedriver not installed (make browser installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    folder, uri, _ = swept
+    page = tmp_path / "site" / "report.html"
+    done = run_cli("report", "--tracking-uri", uri, "--out", str(page), cwd=folder)
+    assert done.returncode == 0, done.stderr
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(page.parent))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                     "--window-size=1400,2400"):  # fmt: skip
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    browser = webdriver.Chrome(options=options, service=Service(driver_path))
+    try:
+        browser.get(f"http://127.0.0.1:{server.server_address[1]}/report.html")
+        plots = ["#pareto", "#breakdown", "#timeline-0"]
+        WebDriverWait(browser, 60).until(
+            lambda b: all(b.find_elements(By.CSS_SELECTOR, f"{p} .main-svg") for p in plots)
+        )
+        traces = browser.find_elements(By.CSS_SELECTOR, "#timeline-0 .scatterlayer .trace")
+        assert len(traces) == 5  # one stacked area per category
+        screenshot = tmp_path / "report.png"  # kept with the test's files for a look
+        assert browser.save_screenshot(str(screenshot))
+        assert screenshot.stat().st_size > 20_000
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        browser.quit()
+        server.shutdown()
