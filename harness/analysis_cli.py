@@ -428,4 +428,3 @@ def timeline(
         )  # fmt: skip
     Console().print(table)
     click.echo(f"wrote {path}")
-
