@@ -18,14 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.meters.timing import synchronize  # torch.cuda.synchronize on CUDA, else nothing
 from harness.trial.config import TrialConfig
 from harness.workloads import build_model, load_dataset, resolve_knobs
 from harness.workloads.tensors import batches
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(config_path: str, out_path: str) -> None:

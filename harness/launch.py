@@ -38,8 +38,7 @@ def failure(config: TrialConfig, status: Status, reason: str) -> dict[str, Any]:
 
 
 def _kill_tree(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    _kill_group(process.pid)
     process.wait()
 
 
@@ -219,11 +218,9 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[s
     if ranks > 1:  # torchrun starts the ranks; if one dies it stops the others
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     started = time.monotonic()
-    returncode: int | None
-    start = "warm"
-    try:
-        if ranks > 1 or not warm_start_enabled():
-            raise ZygoteFailed("not used")
+    returncode: int | None = None
+    warm = ranks == 1 and warm_start_enabled()
+    if warm:
         request = {
             "config": str(config_path.resolve()),
             "result": str(result_path.resolve()),
@@ -231,13 +228,16 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[s
             "cwd": os.getcwd(),
             "env": env,
         }
-        returncode = _run_warm(request, timeout_s)
-    except ZygoteFailed:
-        result_path.unlink(missing_ok=True)
-        start = "fresh" if ranks == 1 else "torchrun"
-        started = time.monotonic()
+        try:
+            returncode = _run_warm(request, timeout_s)
+        except ZygoteFailed:  # reported once; this trial and the rest start fresh
+            warm = False
+            result_path.unlink(missing_ok=True)
+            started = time.monotonic()
+    if not warm:
         returncode = _run_fresh(command, env, log_path, timeout_s)
     wall = time.monotonic() - started
+    start = "warm" if warm else "fresh" if ranks == 1 else "torchrun"
     if returncode is None:
         result = failure(
             config, Status.TIMEOUT, f"no result after the {timeout_s:g}s trial_timeout; killed"

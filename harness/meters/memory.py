@@ -136,12 +136,12 @@ class MemoryWindow:
         # Off when estimating on fake tensors: then there is no allocator to ask.
         self.allocator_counters = allocator_counters and device.type == "cuda"
         self.optimizer = optimizer
+        self.timeline_tracker = None
         if timeline:
             from harness.meters.timeline import TimelineTracker
 
-            self.tracker: MemTracker = TimelineTracker(device)
-        else:
-            self.tracker = MemTracker()
+            self.timeline_tracker = TimelineTracker(device)
+        self.tracker: MemTracker = self.timeline_tracker or MemTracker()
         self.tracker.track_external(model, optimizer, *staged)
         # CUDA only: where to dump the allocator's history for PyTorch's memory viewer.
         self.allocator_snapshot = allocator_snapshot if self.allocator_counters else None
@@ -153,16 +153,16 @@ class MemoryWindow:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.allocator_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
-        if hasattr(self.tracker, "persistent_optim"):
-            self.tracker.persistent_optim = optimizer_state_bytes(self.optimizer)
+        if self.timeline_tracker is not None:
+            self.timeline_tracker.persistent_optim = optimizer_state_bytes(self.optimizer)
         self.tracker.__enter__()
         return self
 
     def step_done(self) -> None:
         """After each forward+backward: ``MemTracker`` refuses a second root forward otherwise."""
         self.tracker.reset_mod_stats()
-        if hasattr(self.tracker, "micro_batch"):
-            self.tracker.micro_batch += 1
+        if self.timeline_tracker is not None:
+            self.timeline_tracker.micro_batch += 1
 
     def __exit__(self, *exc: Any) -> None:
         self.tracker.__exit__(*exc)
@@ -171,15 +171,16 @@ class MemoryWindow:
                 torch.cuda.memory._dump_snapshot(self.allocator_snapshot)
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
-        if hasattr(self.tracker, "close"):
-            self.tracker.close()
+        if self.timeline_tracker is not None:
+            self.timeline_tracker.close()
         if exc[0] is None:
             self.reading = self._read()
 
     def timeline(self, steps: int, micro_batches: int) -> dict[str, Any] | None:
         """The window's memory timeline (``harness.meters.timeline``), if it was recorded."""
-        to_json = getattr(self.tracker, "to_json", None)
-        return to_json(steps, micro_batches) if to_json else None
+        if self.timeline_tracker is None:
+            return None
+        return self.timeline_tracker.to_json(steps, micro_batches)
 
     def _read(self) -> MemoryReading:
         snapshot = self.tracker.get_tracker_snapshot("peak")

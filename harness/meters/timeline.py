@@ -89,21 +89,17 @@ class TimelineTracker(MemTracker):
     def to_json(self, steps: int, micro_batches: int) -> dict[str, Any]:
         """Columnar, compact: one list per field, bytes as integers."""
         rows = self.rows
-        if rows:
-            totals = [sum(r[3:8]) for r in rows]
-            peak = max(range(len(rows)), key=totals.__getitem__)
-            if len(rows) > MAX_SAMPLES:
-                stride = -(-len(rows) // MAX_SAMPLES)
-                keep = sorted(set(range(0, len(rows), stride)) | {peak, len(rows) - 1})
-                rows = [rows[i] for i in keep]
-                peak = keep.index(peak)
-        else:
-            peak = None
+        totals = [sum(r[3:8]) for r in rows]
+        peak = max(range(len(rows)), key=totals.__getitem__) if rows else None
+        if peak is not None and len(rows) > MAX_SAMPLES:
+            stride = -(-len(rows) // MAX_SAMPLES)
+            keep = sorted(set(range(0, len(rows), stride)) | {peak, len(rows) - 1})
+            rows, totals = [rows[i] for i in keep], [totals[i] for i in keep]
+            peak = keep.index(peak)
         fields = ["op", "phase", "micro_batch", *CATEGORIES]
         if self.device.type == "cuda":
             fields += ["allocated", "reserved"]
         columns = {name: [r[i] for r in rows] for i, name in enumerate(fields)}
-        totals = [sum(r[3:8]) for r in rows]
         return {
             "format": FORMAT_VERSION,
             "device": self.device.type,
