@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.figures import Figure, at_most, within
-from harness.launch import launch_trial
-from harness.spec import load_spec, parse_spec
+from harness.spec import load_spec, parse_spec, trial_configs
+from harness.sweep.launch import launch_trial
 from harness.trial.config import TrialConfig
 from harness.units import format_bytes
 
@@ -49,7 +49,7 @@ def measured_only(config: TrialConfig) -> TrialConfig:
 def measure_spec(path: str, log: Callable[[str], None], workdir: Path) -> list[dict[str, Any]]:
     """Every trial of the spec, two at a time: memory is counted per tensor, so sharing the
     cores changes no byte (only the wall time, which this figure does not use)."""
-    trials = load_spec(path).trials()
+    trials = trial_configs(load_spec(path))
     done = 0
 
     def measure(config: TrialConfig) -> dict[str, Any]:
@@ -59,8 +59,8 @@ def measure_spec(path: str, log: Callable[[str], None], workdir: Path) -> list[d
         row = {
             "trial": f"{config.model_size} b{config.batch_size} {config.dtype} "
             f"{config.strategy_text}",
-            "status": result["status"],
-            "ratio": result["metrics"].get("prediction_ratio"),
+            "status": result.status,
+            "ratio": result.metrics.get("prediction_ratio"),
         }
         done += 1
         log(
@@ -108,7 +108,7 @@ def prediction_accuracy(log: Callable[[str], None], workdir: Path) -> list[Figur
 
 
 def seven_b(log: Callable[[str], None], workdir: Path) -> list[Figure]:
-    config = parse_spec(SEVEN_B).trials()[0]
+    config = trial_configs(parse_spec(SEVEN_B))[0]
     request, answer = workdir / "7b-in.json", workdir / "7b-out.json"
     request.write_text(json.dumps({"device": "cpu", "configs": [config.to_dict()]}))
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

@@ -38,9 +38,9 @@ from typing import Any
 import yaml
 
 from benchmarks.figures import Figure, at_least, at_most
-from harness.launch import launch_trial, start_warm_starter
 from harness.results import load
-from harness.spec import parse_spec
+from harness.spec import parse_spec, trial_configs
+from harness.sweep.launch import launch_trial, start_warm_starter
 from harness.trial.config import TrialConfig
 
 ROUNDS = 7  # per model; more where a round is cheap and its steps short (noisier)
@@ -94,7 +94,7 @@ def trial_config(name: str) -> TrialConfig:
     spec["measure"]["timed_steps"] = timed
     measured = sum(spec["measure"].values())
     spec["train"]["budget"] = {"steps": measured}  # the measured windows only
-    return parse_spec(spec).trials()[0]
+    return trial_configs(parse_spec(spec))[0]
 
 
 def bare_loop(config: TrialConfig, folder: Path) -> dict[str, float]:
@@ -117,14 +117,14 @@ def side_by_side(
     rounds = ROUNDS_FOR.get(name, ROUNDS)
     for index in range(rounds):
         result = launch_trial(config, workdir / name / f"harness{index}", 900)
-        if result["status"] != "ok":
-            raise RuntimeError(f"{name}: harness trial ended {result['status']}: {result}")
+        if result.status != "ok":
+            raise RuntimeError(f"{name}: harness trial ended {result.status}: {result}")
         harness_runs.append(result)
         bare_runs.append(bare_loop(config, workdir / name / f"bare{index}"))
         log(
             f"  {name} round {index + 1}/{rounds}: harness "
-            f"{result['metrics']['throughput']:,.1f}, bare {bare_runs[-1]['throughput']:,.1f} "
-            f"{result['info']['throughput_unit']}"
+            f"{result.metrics['throughput']:,.1f}, bare {bare_runs[-1]['throughput']:,.1f} "
+            f"{result.info['throughput_unit']}"
         )
     return harness_runs, bare_runs
 
@@ -137,7 +137,7 @@ def fidelity_figures(log: Callable[[str], None], workdir: Path) -> list[Figure]:
     figures, repeat, window = [], [], []
     for name in MODELS:
         harness_runs, bare_runs = side_by_side(name, log, workdir)
-        harness_tp = [r["metrics"]["throughput"] for r in harness_runs]
+        harness_tp = [r.metrics["throughput"] for r in harness_runs]
         bare_tp = [r["throughput"] for r in bare_runs]
         figures.append(
             at_least(
@@ -149,12 +149,12 @@ def fidelity_figures(log: Callable[[str], None], workdir: Path) -> list[Figure]:
                 harness_throughput=harness_tp,
                 bare_throughput=bare_tp,
                 bare_wall_clock_throughput=[r["throughput_wall"] for r in bare_runs],
-                throughput_unit=harness_runs[0]["info"]["throughput_unit"],
-                timed_steps=harness_runs[0]["metrics"]["train_steps"],
-                threads=harness_runs[0]["info"]["torch_threads"],
+                throughput_unit=harness_runs[0].info["throughput_unit"],
+                timed_steps=harness_runs[0].metrics["train_steps"],
+                threads=harness_runs[0].info["torch_threads"],
             )
         )
-        peaks = {r["metrics"]["peak_allocated_bytes"] for r in harness_runs}
+        peaks = {r.metrics["peak_allocated_bytes"] for r in harness_runs}
         repeat.append(
             Figure(
                 f"repeat_distinct_peaks[{name}]",
@@ -179,8 +179,8 @@ def fidelity_figures(log: Callable[[str], None], workdir: Path) -> list[Figure]:
                 {"throughput": harness_tp},
             )
         )
-        tracked = statistics.median(r["metrics"]["memory_step_time_ms"] for r in harness_runs)
-        untracked = statistics.median(r["metrics"]["step_time_ms_p50"] for r in harness_runs)
+        tracked = statistics.median(r.metrics["memory_step_time_ms"] for r in harness_runs)
+        untracked = statistics.median(r.metrics["step_time_ms_p50"] for r in harness_runs)
         window.append(
             Figure(
                 f"memory_window_step_cost[{name}]",

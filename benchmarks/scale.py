@@ -4,7 +4,7 @@
 MLflow SQLite store through the harness's own ``Tracker.log_trial``, exactly as a sweep records
 a trial. Then: ``harness.results.load`` into pandas (target <= 10 s), MLflow's own
 ``search_runs`` path for comparison (reported), and the Pareto front of the 10,000 points with
-``harness.pareto`` (target <= 1 s; the full per-group analysis with hypervolumes is reported).
+``harness.analyse.pareto`` (target <= 1 s; the full per-group analysis with hypervolumes is reported).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.figures import Figure, at_most
-from harness.pareto import DEFAULT_OBJECTIVES, analyse, feasible, non_dominated
+from harness.analyse.pareto import DEFAULT_OBJECTIVES, analyse, feasible, non_dominated
+from harness.record.tracking import Tracker
 from harness.results import load
-from harness.tracking import Tracker
 from harness.trial.config import TrialConfig
+from harness.trial.result import Status, TrialResult
 
 RECORDS = 10_000
 EXPERIMENT = "bench-scale"
@@ -29,7 +30,7 @@ STRATEGIES = (["none"], ["checkpoint"], ["accumulate:4"], ["adafactor"])
 BUDGET = 64 * 2**20
 
 
-def synthetic_result(config: TrialConfig, rng: random.Random) -> dict[str, Any]:
+def synthetic_result(config: TrialConfig, rng: random.Random) -> TrialResult:
     """Plausible numbers: memory grows with width and batch, throughput falls with width."""
     width = config.model_knobs["width"]
     peak = width * config.batch_size * rng.uniform(1.5e3, 2.5e3)
@@ -63,15 +64,15 @@ def synthetic_result(config: TrialConfig, rng: random.Random) -> dict[str, Any]:
             "train_time_s": 5.0,
             "eval_time_s": 0.2,
         }
-    return {
-        "trial_key": config.trial_key,
-        "status": status,
-        "failure_reason": "" if status == "ok" else f"synthetic {status}",
-        "metrics": metrics,
-        "loss_history": [rng.uniform(0.1, 2.0) for _ in range(20)] if status == "ok" else [],
-        "info": {"device": "cpu", "torch_version": "synthetic", "throughput_unit": "samples/s"},
-        "wall_time_s": 6.0,
-    }
+    return TrialResult(
+        trial_key=config.trial_key,
+        status=Status(status),
+        failure_reason="" if status == "ok" else f"synthetic {status}",
+        metrics=metrics,
+        loss_history=[rng.uniform(0.1, 2.0) for _ in range(20)] if status == "ok" else [],
+        info={"device": "cpu", "torch_version": "synthetic", "throughput_unit": "samples/s"},
+        wall_time_s=6.0,
+    )
 
 
 def write_records(folder: Path, log: Callable[[str], None]) -> tuple[str, float]:

@@ -3,10 +3,10 @@
 Replays the search against a recorded grid of real measurements
 (``benchmarks/data/search_grid.csv``, 120 trials of ``experiments/search_grid.yaml``): the
 harness's own ``SearchPlan`` asks the sampler, and each proposed point is told the recorded
-result through the harness's own ``search.tell`` (values + memory constraint), exactly as in a
+result through the harness's own ``plan.tell`` (values + memory constraint), exactly as in a
 sweep, only without training. Deterministic: seeded samplers, in-memory studies.
 
-Hypervolume is ``harness.pareto``'s (normalised over the full grid's feasible trials, reference
+Hypervolume is ``harness.analyse.pareto``'s (normalised over the full grid's feasible trials, reference
 1.1). Figures: the median over 10 seeds of the trials the default sampler (TPE) needs to reach
 95 % of the full grid's hypervolume (target <= 40 % of the grid), and its median hypervolume at
 that 40 % budget against random search's at the same count (target: higher). The curves go to
@@ -19,16 +19,16 @@ import copy
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 import yaml
 
 from benchmarks.figures import Figure, at_most
-from harness import search
-from harness.pareto import DEFAULT_OBJECTIVES, bounds, feasible, hypervolume, normalise
+from harness.analyse.pareto import DEFAULT_OBJECTIVES, bounds, feasible, hypervolume, normalise
 from harness.spec import Spec, parse_spec
+from harness.sweep import plan
+from harness.trial.result import Status, TrialResult
 
 SPEC = Path("experiments/search_grid.yaml")
 DATA = Path("benchmarks/data/search_grid.csv")
@@ -46,13 +46,13 @@ def spec_with(sampler: str, seed: int, n_trials: int) -> Spec:
     return parse_spec(data, str(SPEC))
 
 
-def recorded_result(row: pd.Series) -> dict[str, Any]:
+def recorded_result(row: pd.Series) -> TrialResult:
     metrics = {
         name: float(row[name])
         for name in ("peak_allocated_bytes", "predicted_peak_bytes", "throughput", "accuracy")
         if pd.notna(row[name])
     }
-    return {"trial_key": row["trial_key"], "status": row["status"], "metrics": metrics}
+    return TrialResult(row["trial_key"], Status(row["status"]), metrics=metrics)
 
 
 def replay(table: pd.DataFrame, sampler: str, seed: int, n_trials: int) -> list[int]:
@@ -62,12 +62,12 @@ def replay(table: pd.DataFrame, sampler: str, seed: int, n_trials: int) -> list[
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     spec = spec_with(sampler, seed, n_trials)
     directions = [o.direction for o in spec.search.objectives]
-    study = optuna.create_study(directions=directions, sampler=search.make_sampler(spec, 0))
+    study = optuna.create_study(directions=directions, sampler=plan.make_sampler(spec, 0))
     index = {tuple(str(row[a]) for a in AXES): i for i, row in table.iterrows()}
     visited = []
-    for trial, point, _ in search.SearchPlan(study, spec, set(), n_trials):
+    for trial, point, _ in plan.SearchPlan(study, spec, set(), n_trials):
         row_index = index[tuple(str(point[a]) for a in AXES)]
-        search.tell(study, trial, spec, recorded_result(table.loc[row_index]), "replay")
+        plan.tell(study, trial, spec, recorded_result(table.loc[row_index]), "replay")
         visited.append(row_index)
     return visited
 

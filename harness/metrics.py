@@ -49,5 +49,12 @@ METRICS: dict[str, str] = {
     "compile_time_s": "compile: seconds the first (compiling) training step took",
 }
 
-# Which way is better, for summaries and objectives that do not say.
-HIGHER_IS_BETTER = {"throughput", "accuracy"}
+# The breakdown at the peak: five categories that add up to peak_allocated_bytes, in stacking
+# order. The memory meter, the timeline, the tables and every plot use these names (their
+# labels and colours: harness.analyse.style).
+BREAKDOWN_CATEGORIES = ("param", "grad", "optim", "activation", "other")
+
+
+def breakdown_metric(category: str) -> str:
+    """The metric holding a category's bytes at the peak, e.g. ``mem_param_bytes``."""
+    return f"mem_{category}_bytes"

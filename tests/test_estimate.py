@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.launch import launch_trial
 from harness.results import load
-from harness.spec import parse_spec
+from harness.spec import parse_spec, trial_configs
+from harness.sweep.launch import launch_trial
 from harness.trial.estimate import closed_form, estimate_peak
-from harness.trial.loop import run_trial
+from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC, run_cli, write_spec
 
 GPT8 = {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}
@@ -29,8 +29,8 @@ def spec(strategy="none", family="mlp", knobs=None, batch_size=8, dtype="fp32"):
 
 
 def test_fp32_mlp_adam_prediction_matches_the_measured_peak():
-    result = run_trial(parse_spec(spec(batch_size=64)).trials()[0])
-    metrics = result["metrics"]
+    result = run_trial(trial_configs(parse_spec(spec(batch_size=64)))[0])
+    metrics = result.metrics
     assert metrics["predicted_peak_bytes"] == pytest.approx(
         metrics["peak_allocated_bytes"], rel=0.01
     )
@@ -39,32 +39,32 @@ def test_fp32_mlp_adam_prediction_matches_the_measured_peak():
 
 @pytest.mark.parametrize("strategy", ["none", "checkpoint"])
 def test_gpt_prediction_within_10_percent(strategy):
-    result = run_trial(parse_spec(spec(strategy, "gpt", GPT8, batch_size=16)).trials()[0])
-    assert result["metrics"]["prediction_ratio"] == pytest.approx(1.0, abs=0.10)
+    result = run_trial(trial_configs(parse_spec(spec(strategy, "gpt", GPT8, batch_size=16)))[0])
+    assert result.metrics["prediction_ratio"] == pytest.approx(1.0, abs=0.10)
 
 
 def test_model_state_matches_the_closed_form():
-    config = parse_spec(spec("bf16_params")).trials()[0]
+    config = trial_configs(parse_spec(spec("bf16_params")))[0]
     prediction = estimate_peak(config, torch.device("cpu"))
-    expected = closed_form(config, prediction["num_params"], {})["closed_form_model_state_bytes"]
+    expected = closed_form(config, prediction["num_params"])["closed_form_model_state_bytes"]
     # bf16 parameters and gradients, bf16 Adam moments: 8 B/param (+ fp32 step counters).
     assert prediction["predicted_model_state_bytes"] == pytest.approx(expected, rel=0.001)
 
 
 def test_adafactor_prediction_matches_the_measured_peak():
     """Adafactor's step reads values (.item()); the estimator answers them and still agrees."""
-    result = run_trial(parse_spec(spec("adafactor", batch_size=32)).trials()[0])
-    assert result["metrics"]["prediction_ratio"] == pytest.approx(1.0, abs=0.01)
+    result = run_trial(trial_configs(parse_spec(spec("adafactor", batch_size=32)))[0])
+    assert result.metrics["prediction_ratio"] == pytest.approx(1.0, abs=0.01)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp:2", "fsdp:2"])
 def test_data_parallel_prediction_within_10_percent(tmp_path, parallel):
     """Rank 0 of 2 predicted on torch's fake process group vs two real gloo ranks."""
-    config = parse_spec(spec(parallel, "gpt", GPT8, batch_size=16)).trials()[0]
+    config = trial_configs(parse_spec(spec(parallel, "gpt", GPT8, batch_size=16)))[0]
     result = launch_trial(config, tmp_path, timeout_s=300)
-    assert result["status"] == "ok", result["failure_reason"]
-    assert result["metrics"]["prediction_ratio"] == pytest.approx(1.0, abs=0.10)
+    assert result.status == "ok", result.failure_reason
+    assert result.metrics["prediction_ratio"] == pytest.approx(1.0, abs=0.10)
 
 
 @pytest.mark.slow
@@ -72,19 +72,19 @@ def test_a_multi_rank_trial_predicted_over_budget_ends_on_every_rank(tmp_path):
     """Predicted before the ranks join their group: all of them stop, none waits for another."""
     data = spec("ddp:2", batch_size=16)
     data["device_memory"] = "1KiB"
-    result = launch_trial(parse_spec(data).trials()[0], tmp_path, timeout_s=120)
-    assert result["status"] == "infeasible", result["failure_reason"]
-    assert "exceeds device_memory 1.00 KiB" in result["failure_reason"]
+    result = launch_trial(trial_configs(parse_spec(data))[0], tmp_path, timeout_s=120)
+    assert result.status == "infeasible", result.failure_reason
+    assert "exceeds device_memory 1.00 KiB" in result.failure_reason
 
 
 def test_adam8bit_says_why_it_is_not_predicted():
-    prediction = estimate_peak(parse_spec(spec("adam8bit")).trials()[0], torch.device("cpu"))
+    prediction = estimate_peak(trial_configs(parse_spec(spec("adam8bit")))[0], torch.device("cpu"))
     assert list(prediction) == ["unpredictable"]
     assert prediction["unpredictable"].startswith("adam8bit: its step is compiled code")
 
 
 def test_cuda_target_without_a_gpu_is_accounted_in_512_byte_blocks():
-    config = parse_spec(spec(batch_size=8)).trials()[0]
+    config = trial_configs(parse_spec(spec(batch_size=8)))[0]
     on_cpu = estimate_peak(config, torch.device("cpu"))
     as_cuda = estimate_peak(config, torch.device("cpu"), as_cuda=True)
     assert as_cuda["predicted_peak_bytes"] % 512 == 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.spec import parse_spec
-from harness.trial.loop import run_trial
+from harness.spec import parse_spec, trial_configs
+from harness.trial.run import run_trial
 
 
 def mlp_trial(base_spec, *, batch_size=8, dtype="fp32", optimizer=None, width=256):
@@ -13,9 +13,9 @@ def mlp_trial(base_spec, *, batch_size=8, dtype="fp32", optimizer=None, width=25
     base_spec["grid"].update(batch_size=[batch_size], dtype=[dtype])
     base_spec["train"]["optimizer"] = optimizer or {"name": "adam", "lr": 1e-3, "foreach": False}
     base_spec["train"]["budget"] = {"steps": 8}
-    result = run_trial(parse_spec(base_spec).trials()[0])
-    assert result["status"] == "ok", result["failure_reason"]
-    return result["metrics"]
+    result = run_trial(trial_configs(parse_spec(base_spec))[0])
+    assert result.status == "ok", result.failure_reason
+    return result.metrics
 
 
 def model_state_bytes(metrics):

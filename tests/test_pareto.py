@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.pareto import (
+from harness.analyse.pareto import (
     Objective,
     analyse,
     dominated_share,

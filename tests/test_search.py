@@ -6,9 +6,14 @@ import optuna
 import pytest
 
 from harness.results import load
-from harness.search import memory_constraint, objective_values, trials_to_run
 from harness.spec import parse_spec
+from harness.sweep.plan import memory_constraint, objective_values, trials_to_run
+from harness.trial.result import Status, TrialResult
 from tests.conftest import BASE_SPEC, run_cli, write_spec
+
+
+def result(status: str, **metrics: float) -> TrialResult:
+    return TrialResult("k", Status(status), metrics=metrics)
 
 
 def spec_with(**search):
@@ -18,28 +23,25 @@ def spec_with(**search):
 
 def test_over_budget_trials_tell_real_memory_and_zero_delivery():
     spec = spec_with()
-    infeasible = {"status": "infeasible", "metrics": {"predicted_peak_bytes": 3 * 2**20}}
+    infeasible = result("infeasible", predicted_peak_bytes=3 * 2**20)
     assert objective_values(spec, infeasible) == [3 * 2**20, 0.0, 0.0]
     assert memory_constraint(spec, infeasible) == pytest.approx(2.0)
-    ok = {
-        "status": "ok",
-        "metrics": {"peak_allocated_bytes": 2**19, "throughput": 10.0, "accuracy": 0.5},
-    }
+    ok = result("ok", peak_allocated_bytes=2**19, throughput=10.0, accuracy=0.5)
     assert objective_values(spec, ok) == [2**19, 10.0, 0.5]
     assert memory_constraint(spec, ok) == pytest.approx(-0.5)
 
 
 def test_trials_without_values_are_failures():
     spec = spec_with()
-    assert objective_values(spec, {"status": "crash", "metrics": {}}) is None
-    partial = {"status": "diverged", "metrics": {"peak_allocated_bytes": 1.0, "throughput": 2.0}}
+    assert objective_values(spec, result("crash")) is None
+    partial = result("diverged", peak_allocated_bytes=1.0, throughput=2.0)
     assert objective_values(spec, partial) is None
 
 
 def test_an_oom_without_a_prediction_is_at_least_the_budget():
     spec = spec_with()
-    assert objective_values(spec, {"status": "oom", "metrics": {}}) == [2**20, 0.0, 0.0]
-    assert memory_constraint(spec, {"status": "oom", "metrics": {}}) > 0
+    assert objective_values(spec, result("oom")) == [2**20, 0.0, 0.0]
+    assert memory_constraint(spec, result("oom")) > 0
 
 
 def test_how_many_trials_a_run_adds():

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.spec import SpecError, load_spec, parse_spec
+from harness.spec import SpecError, load_spec, parse_spec, points, trial_configs
 from tests.conftest import REPO, run_cli, write_spec
 
 
 def test_default_spec_plans_at_least_twelve_trials():
     spec = load_spec(REPO / "experiments" / "default.yaml")
-    trials = spec.trials()
+    trials = trial_configs(spec)
     assert len(trials) >= 12
     assert len({t.trial_key for t in trials}) == len(trials)
     assert {t.dtype for t in trials} == {"fp32", "bf16"}
@@ -31,8 +31,8 @@ def test_grid_is_the_product_of_axes(base_spec):
     base_spec["model"]["sizes"]["wide"] = {"width": 64, "depth": 1}
     base_spec["grid"].update(batch_size=[8, 16, 32], dtype=["fp32", "bf16"])
     spec = parse_spec(base_spec)
-    assert len(spec.points()) == 2 * 3 * 2 * 1
-    assert spec.points()[0] == {
+    assert len(points(spec)) == 2 * 3 * 2 * 1
+    assert points(spec)[0] == {
         "model_size": "tiny",
         "batch_size": 8,
         "dtype": "fp32",
@@ -41,10 +41,10 @@ def test_grid_is_the_product_of_axes(base_spec):
 
 
 def test_trial_key_is_stable_and_sensitive(base_spec):
-    first = parse_spec(base_spec).trials()[0].trial_key
-    assert parse_spec(base_spec).trials()[0].trial_key == first
+    first = trial_configs(parse_spec(base_spec))[0].trial_key
+    assert trial_configs(parse_spec(base_spec))[0].trial_key == first
     base_spec["train"]["seed"] = 1
-    assert parse_spec(base_spec).trials()[0].trial_key != first
+    assert trial_configs(parse_spec(base_spec))[0].trial_key != first
 
 
 def test_defaults_fill_optional_sections():
@@ -75,7 +75,7 @@ def test_user_model_family_passes_knobs_through(base_spec):
         "sizes": {"a": {"mode": "fast", "layers": 3}},
     }
     spec = parse_spec(base_spec)
-    assert spec.trials()[0].model_knobs == {"mode": "fast", "layers": 3}
+    assert trial_configs(spec)[0].model_knobs == {"mode": "fast", "layers": 3}
 
 
 BAD_SPECS = [

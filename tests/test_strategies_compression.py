@@ -9,8 +9,8 @@ import copy
 
 import pytest
 
-from harness.spec import SpecError, parse_spec
-from harness.trial.loop import run_trial
+from harness.spec import SpecError, parse_spec, trial_configs
+from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC
 
 GPT = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 32}
@@ -30,9 +30,9 @@ def spec_for(family: str, strategy: str | list[str], batch_size: int = 32) -> di
 
 
 def trial(family: str, strategy: str | list[str]) -> dict:
-    result = run_trial(parse_spec(spec_for(family, strategy)).trials()[0])
-    assert result["status"] == "ok", result["failure_reason"]
-    return result["metrics"]
+    result = run_trial(trial_configs(parse_spec(spec_for(family, strategy)))[0])
+    assert result.status == "ok", result.failure_reason
+    return result.metrics
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_structured_pruning_of_resnet_is_refused():
     spec = spec_for("resnet", "prune_structured:0.5")
     spec["model"]["sizes"] = {"m": {"depth": 18}}
     try:
-        config = parse_spec(spec).trials()[0]
+        config = trial_configs(parse_spec(spec))[0]
     except SpecError as error:  # rejected at validation time (registry families)
         assert "prune_structured" in str(error)
         return

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import launch_trial
-from harness.spec import SpecError, parse_spec
-from harness.trial.loop import run_trial
+from harness.spec import SpecError, parse_spec, trial_configs
+from harness.sweep.launch import launch_trial
+from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC
 
 GPT8 = {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}
@@ -28,9 +28,9 @@ def spec_for(strategy, *, family="mlp", knobs=None, batch_size=8, dtype="fp32", 
 
 
 def measure(strategy, **kw):
-    result = run_trial(parse_spec(spec_for(strategy, **kw)).trials()[0])
-    assert result["status"] == "ok", result["failure_reason"]
-    return result["metrics"]
+    result = run_trial(trial_configs(parse_spec(spec_for(strategy, **kw)))[0])
+    assert result.status == "ok", result.failure_reason
+    return result.metrics
 
 
 def model_state(m):
@@ -68,9 +68,9 @@ def test_bf16_params_halve_parameter_and_gradient_bytes():
 
 
 def test_gpt_reports_tokens_and_next_token_accuracy():
-    result = run_trial(parse_spec(spec_for("none", family="gpt")).trials()[0])
-    assert result["info"]["throughput_unit"] == "tokens/s"
-    assert 0 <= result["metrics"]["accuracy"] <= 1
+    result = run_trial(trial_configs(parse_spec(spec_for("none", family="gpt")))[0])
+    assert result.info["throughput_unit"] == "tokens/s"
+    assert 0 <= result.metrics["accuracy"] <= 1
 
 
 @pytest.mark.slow
@@ -79,10 +79,10 @@ def test_data_parallel_model_state_per_rank(tmp_path: Path, parallel):
     """ddp keeps a full replica on each rank; fsdp shards it (2 ranks under torchrun)."""
     results = {}
     for strategy in ("none", parallel):
-        config = parse_spec(spec_for(strategy, batch_size=16)).trials()[0]
+        config = trial_configs(parse_spec(spec_for(strategy, batch_size=16)))[0]
         result = launch_trial(config, tmp_path / strategy.replace(":", "_"), timeout_s=300)
-        assert result["status"] == "ok", result["failure_reason"]
-        results[strategy] = result["metrics"]
+        assert result.status == "ok", result.failure_reason
+        results[strategy] = result.metrics
     baseline, ranked = results["none"], results[parallel]
     assert ranked["num_params"] == baseline["num_params"]
     if parallel.startswith("ddp"):

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from harness.spec import SpecError, parse_spec
+from harness.spec import SpecError, parse_spec, trial_configs
 from harness.strategies.base import TrialContext
 from harness.strategies.compile import Compile
 from harness.strategies.memory_management import (
@@ -23,8 +23,8 @@ from harness.strategies.memory_management import (
     OffloadActivations,
 )
 from harness.strategies.optimizers import Adafactor, Adam8bit, AdamW, Sgd, SgdMomentum
-from harness.trial.loop import run_trial
 from harness.trial.optim import build_optimizer
+from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC
 
 
@@ -41,9 +41,11 @@ def spec(strategy: str = "none", *, family: str = "mlp", batch_size: int = 8) ->
 @functools.cache
 def metrics(strategy: str = "none", family: str = "mlp", batch_size: int = 8) -> dict:
     """One trial's metrics; cached because several tests share the same baseline."""
-    result = run_trial(parse_spec(spec(strategy, family=family, batch_size=batch_size)).trials()[0])
-    assert result["status"] == "ok", result["failure_reason"]
-    return result["metrics"]
+    result = run_trial(
+        trial_configs(parse_spec(spec(strategy, family=family, batch_size=batch_size)))[0]
+    )
+    assert result.status == "ok", result.failure_reason
+    return result.metrics
 
 
 # ---- optimizers ---------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def test_adam8bit_without_torchao_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "torchao.optim", None)
     with pytest.raises(RuntimeError, match=r"adam8bit needs torchao \(pip install torchao\)"):
-        run_trial(parse_spec(spec("adam8bit")).trials()[0])
+        run_trial(trial_configs(parse_spec(spec("adam8bit")))[0])
 
 
 def test_adam8bit_state_is_a_fraction_of_adams():

@@ -250,18 +250,18 @@ def test_three_sigkills_at_random_moments_still_record_every_point_once(tmp_path
 )
 def test_a_multi_rank_trial_that_fails_leaves_no_rank_behind(tmp_path, mode, status, words):
     """One rank killed by a signal, or every rank hung: the whole trial ends, no orphans."""
-    from harness.launch import launch_trial
-    from harness.spec import parse_spec
+    from harness.spec import parse_spec, trial_configs
+    from harness.sweep.launch import launch_trial
 
     copy_fixture("faulty_models.py", tmp_path)
     data = copy.deepcopy(BASE_SPEC)
     data["model"] = {"family": "faulty_models:build", "sizes": {"f": {"mode": mode}}}
     data["grid"].update(batch_size=[16], strategy=["ddp:2"])
     spec = parse_spec(data, str(tmp_path / "spec.yaml"))
-    config = spec.trials()[0]
+    config = trial_configs(spec)[0]
     result = launch_trial(config, tmp_path / "trial", timeout_s=30)
-    assert result["status"] == status, result["failure_reason"]
-    assert words in result["failure_reason"]
+    assert result.status == status, result.failure_reason
+    assert words in result.failure_reason
     deadline = time.monotonic() + 15
     while _trial_processes(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)

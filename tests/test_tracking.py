@@ -6,9 +6,10 @@ import time
 
 import pytest
 
+from harness.record.tracking import PARENT_TAG, ROLE_TAG, TRIAL_ROLE, Tracker
 from harness.results import ResultsError, load
-from harness.spec import parse_spec
-from harness.tracking import PARENT_TAG, ROLE_TAG, TRIAL_ROLE, Tracker
+from harness.spec import parse_spec, trial_configs
+from harness.trial.result import Status, TrialResult
 
 
 @pytest.fixture
@@ -22,21 +23,21 @@ def store(tmp_path):
 def record(tracker, parent, workdir, config, status="ok", metrics=None):
     workdir.mkdir(exist_ok=True)
     (workdir / "config.json").write_text(config.to_json())
-    result = {
-        "trial_key": config.trial_key,
-        "status": status,
-        "failure_reason": "" if status == "ok" else "why",
-        "metrics": metrics or {},
-        "loss_history": [2.0, 1.5, float("nan")],
-        "info": {"device": "cpu", "torch_threads": 2},
-    }
+    result = TrialResult(
+        trial_key=config.trial_key,
+        status=Status(status),
+        failure_reason="" if status == "ok" else "why",
+        metrics=metrics or {},
+        loss_history=[2.0, 1.5, float("nan")],
+        info={"device": "cpu", "torch_threads": 2},
+    )
     return tracker.log_trial(parent, config, result, workdir, int(time.time() * 1000), "label")
 
 
 def test_trial_run_round_trips_to_a_typed_row(store, base_spec):
     uri, tracker, parent, folder = store
     base_spec["train"]["optimizer"] = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
-    config = parse_spec(base_spec).trials()[0]
+    config = trial_configs(parse_spec(base_spec))[0]
     run_id = record(
         tracker,
         parent,
@@ -61,7 +62,7 @@ def test_trial_run_round_trips_to_a_typed_row(store, base_spec):
 
 def test_half_written_trial_is_not_recorded_and_is_discarded(store, base_spec):
     _, tracker, parent, folder = store
-    config = parse_spec(base_spec).trials()[0]
+    config = trial_configs(parse_spec(base_spec))[0]
     # What a sweep killed between creating a trial's run and terminating it leaves behind.
     tracker.client.create_run(
         tracker.experiment_id,
@@ -108,12 +109,12 @@ def test_the_database_read_path_gives_search_runs_frame(store, base_spec):
     frame ``search_runs`` gives: two sweeps, knobs, failures, a NaN, a deleted run."""
     import pandas as pd
 
-    from harness.results import raw_from_database
+    from harness.record.results import raw_from_database
 
     uri, tracker, parent, folder = store
     base_spec["model"]["sizes"] = {"a": {"width": 8, "depth": 1}, "b": {"width": 16, "depth": 2}}
     base_spec["grid"]["batch_size"] = [16, 32]
-    configs = parse_spec(base_spec).trials()
+    configs = trial_configs(parse_spec(base_spec))
     metrics = {"throughput": 10.0, "peak_allocated_bytes": 2048.0, "accuracy": 0.5}
     run_ids = [
         record(tracker, parent, folder / f"t{i}", c, metrics={**metrics, "accuracy": i / 10})
@@ -134,7 +135,7 @@ def test_the_database_read_path_gives_search_runs_frame(store, base_spec):
 
 
 def test_long_loss_histories_are_kept_as_bucket_means():
-    from harness.tracking import loss_curve
+    from harness.record.tracking import loss_curve
 
     assert loss_curve([3.0, 2.0, 1.0]) == [(0, 3.0), (1, 2.0), (2, 1.0)]
     ramp = [float(step) for step in range(2000)]

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
-from harness.spec import parse_spec
-from harness.trial.loop import run_trial
+from harness.spec import parse_spec, trial_configs
+from harness.trial.result import TrialResult
+from harness.trial.run import run_trial
 from tests.conftest import FIXTURES, REPO
 
 
 def user_model_trial(base_spec, mode: str, **extra):
     base_spec["model"] = {"family": "faulty_models:build", "sizes": {mode: {"mode": mode, **extra}}}
-    config = parse_spec(base_spec).trials()[0]
+    config = trial_configs(parse_spec(base_spec))[0]
     return config.__class__.from_dict({**config.to_dict(), "python_path": [str(FIXTURES)]})
 
 
 def test_ok_trial_measures_everything(base_spec):
-    result = run_trial(parse_spec(base_spec).trials()[0])
-    assert result["status"] == "ok" and result["failure_reason"] == ""
-    metrics = result["metrics"]
+    result = run_trial(trial_configs(parse_spec(base_spec))[0])
+    assert result.status == "ok" and result.failure_reason == ""
+    metrics = result.metrics
     for name in (
         "peak_allocated_bytes",
         "peak_rss_bytes",
@@ -39,50 +39,50 @@ def test_ok_trial_measures_everything(base_spec):
     assert 0 <= metrics["accuracy"] <= 1
     assert metrics["peak_rss_bytes"] > metrics["peak_allocated_bytes"] > 0
     assert "peak_reserved_bytes" not in metrics  # CUDA only
-    assert len(result["loss_history"]) == metrics["train_steps"] == 20
-    assert result["info"]["device"] == "cpu" and result["info"]["throughput_unit"] == "samples/s"
+    assert len(result.loss_history) == metrics["train_steps"] == 20
+    assert result.info["device"] == "cpu" and result.info["throughput_unit"] == "samples/s"
 
 
 def test_training_learns(base_spec):
     base_spec["train"]["budget"] = {"epochs": 3}
     base_spec["model"]["sizes"]["tiny"] = {"width": 64, "depth": 1}
-    result = run_trial(parse_spec(base_spec).trials()[0])
-    history = result["loss_history"]
+    result = run_trial(trial_configs(parse_spec(base_spec))[0])
+    history = result.loss_history
     assert sum(history[-10:]) / 10 < 0.5 * sum(history[:10]) / 10
-    assert result["metrics"]["accuracy"] > 0.8
+    assert result.metrics["accuracy"] > 0.8
 
 
 def test_measurement_steps_are_trained_even_on_a_tiny_budget(base_spec):
     base_spec["train"]["budget"] = {"steps": 1}
-    result = run_trial(parse_spec(base_spec).trials()[0])
-    assert result["status"] == "ok"
-    assert result["metrics"]["train_steps"] == 1 + 2 + 3  # warm-up + memory + timed
-    assert "epoch_time_s" not in result["metrics"]  # no untimed steps left to time an epoch
+    result = run_trial(trial_configs(parse_spec(base_spec))[0])
+    assert result.status == "ok"
+    assert result.metrics["train_steps"] == 1 + 2 + 3  # warm-up + memory + timed
+    assert "epoch_time_s" not in result.metrics  # no untimed steps left to time an epoch
 
 
 def test_predicted_over_device_memory_is_infeasible_and_not_trained(base_spec):
     base_spec["device_memory"] = "8KiB"
-    result = run_trial(parse_spec(base_spec).trials()[0])
-    assert result["status"] == "infeasible"
-    assert "predicted peak" in result["failure_reason"]
-    assert result["metrics"]["predicted_peak_bytes"] > 8 * 1024
-    assert result["loss_history"] == [] and "peak_allocated_bytes" not in result["metrics"]
+    result = run_trial(trial_configs(parse_spec(base_spec))[0])
+    assert result.status == "infeasible"
+    assert "predicted peak" in result.failure_reason
+    assert result.metrics["predicted_peak_bytes"] > 8 * 1024
+    assert result.loss_history == [] and "peak_allocated_bytes" not in result.metrics
 
 
 def test_over_device_memory_is_oom_with_the_measured_peak(base_spec):
     base_spec["device_memory"] = "8KiB"
     base_spec["limits"] = {"run_infeasible": True}  # train it anyway: the real peak says oom
-    result = run_trial(parse_spec(base_spec).trials()[0])
-    assert result["status"] == "oom"
-    assert "exceeds device_memory 8.00 KiB" in result["failure_reason"]
-    assert result["metrics"]["peak_allocated_bytes"] > 8 * 1024
-    assert "accuracy" not in result["metrics"]  # that card would never have finished
+    result = run_trial(trial_configs(parse_spec(base_spec))[0])
+    assert result.status == "oom"
+    assert "exceeds device_memory 8.00 KiB" in result.failure_reason
+    assert result.metrics["peak_allocated_bytes"] > 8 * 1024
+    assert "accuracy" not in result.metrics  # that card would never have finished
 
 
 def test_nan_loss_is_diverged_at_its_step(base_spec):
     result = run_trial(user_model_trial(base_spec, "nan"))
-    assert result["status"] == "diverged"
-    assert result["failure_reason"] == "training loss became nan at step 1"
+    assert result.status == "diverged"
+    assert result.failure_reason == "training loss became nan at step 1"
 
 
 def test_worker_records_an_exception_as_crash(tmp_path, base_spec):
@@ -103,7 +103,7 @@ def test_worker_records_an_exception_as_crash(tmp_path, base_spec):
     )
     assert done.returncode == 1
     assert "Traceback" in done.stderr  # kept for the trial log
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["status"] == "crash"
-    assert result["failure_reason"] == "RuntimeError: user model failed on purpose"
-    assert result["trial_key"] == config.trial_key
+    result = TrialResult.from_json((tmp_path / "result.json").read_text())
+    assert result.status == "crash"
+    assert result.failure_reason == "RuntimeError: user model failed on purpose"
+    assert result.trial_key == config.trial_key

@@ -14,8 +14,9 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from harness import coordination
+from harness.record.stores import redact, storage_for
 from harness.results import load
+from harness.sweep import claim
 from tests.conftest import BASE_SPEC, REPO, run_cli, write_spec
 
 POINTS = {"batch_size": [8, 16, 32], "dtype": ["fp32", "bf16"], "strategy": ["none"]}
@@ -31,8 +32,8 @@ def test_two_claims_of_one_point_the_first_wins():
     first, second = shared.ask(), shared.ask()
     # Both name the point before either looks: the earlier trial keeps it.
     first.set_user_attr("trial_key", "k")
-    assert coordination.claim(shared, second, "k") is False
-    assert coordination.claim(shared, first, "k") is True
+    assert claim.claim_point(shared, second, "k") is False
+    assert claim.claim_point(shared, first, "k") is True
     assert shared.trials[second.number].user_attrs["abandoned"] is True
     assert shared.trials[second.number].state == TrialState.FAIL
 
@@ -40,21 +41,19 @@ def test_two_claims_of_one_point_the_first_wins():
 def test_a_finished_point_is_taken_but_a_dead_workers_point_is_free():
     shared = study()
     done = shared.ask()
-    coordination.claim(shared, done, "done")
+    claim.claim_point(shared, done, "done")
     shared.tell(done, 1.0)
-    assert coordination.claim(shared, shared.ask(), "done") is False
+    assert claim.claim_point(shared, shared.ask(), "done") is False
     dead = shared.ask()
     dead.set_user_attr("trial_key", "free")
     dead.set_user_attr("stale", True)
     shared.tell(dead, state=TrialState.FAIL)
-    assert coordination.claim(shared, shared.ask(), "free") is True
+    assert claim.claim_point(shared, shared.ask(), "free") is True
 
 
 def test_passwords_are_not_printed():
-    assert (
-        coordination.redact("postgresql://me:s3cret@db:5432/x") == "postgresql://me:***@db:5432/x"
-    )
-    assert coordination.redact("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert redact("postgresql://me:s3cret@db:5432/x") == "postgresql://me:***@db:5432/x"
+    assert redact("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
 
 
 def dead_pid() -> int:
@@ -67,13 +66,13 @@ def test_stale_running_trials_are_failed_and_live_ones_kept():
     shared = study()
     host = socket.gethostname()
     mine, gone, silent, remote = (shared.ask() for _ in range(4))
-    mine.set_user_attr("owner", coordination.owner())
+    mine.set_user_attr("owner", claim.owner())
     gone.set_user_attr("owner", f"{host}:{dead_pid()}")
     silent.set_user_attr("owner", "elsewhere:1")
-    silent.set_user_attr("heartbeat", time.time() - 10 * coordination.STALE_AFTER_S)
+    silent.set_user_attr("heartbeat", time.time() - 10 * claim.STALE_AFTER_S)
     remote.set_user_attr("owner", "elsewhere:2")
     remote.set_user_attr("heartbeat", time.time())
-    assert coordination.fail_stale_trials(shared) == 2
+    assert claim.fail_stale_trials(shared) == 2
     states = [t.state for t in shared.trials]
     assert states == [TrialState.RUNNING, TrialState.FAIL, TrialState.FAIL, TrialState.RUNNING]
     assert shared.trials[1].user_attrs["stale"] is True
@@ -81,11 +80,11 @@ def test_stale_running_trials_are_failed_and_live_ones_kept():
 
 
 def test_heartbeat_writes_while_the_block_runs(monkeypatch):
-    monkeypatch.setattr(coordination, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(claim, "HEARTBEAT_S", 0.05)
     shared = study()
     trial = shared.ask()
     trial.set_user_attr("heartbeat", 0.0)
-    with coordination.heartbeat(trial):
+    with claim.heartbeat(trial):
         time.sleep(0.3)
     assert shared.trials[0].user_attrs["heartbeat"] > time.time() - 5
 
@@ -105,7 +104,7 @@ def test_workers_2_run_every_point_exactly_once(tmp_path):
     assert "distorted" in done.stdout  # the CPU warning
     assert (tmp_path / "results" / "optuna.journal").exists()
     exactly_once(load("two-workers", f"sqlite:///{tmp_path}/results/mlflow.db"), 6)
-    storage = coordination.storage_for(f"journal:{tmp_path}/results/optuna.journal")
+    storage = storage_for(f"journal:{tmp_path}/results/optuna.journal")
     (summary,) = optuna.get_all_study_summaries(storage)
     shared = optuna.load_study(study_name=summary.study_name, storage=storage)
     owners = {t.user_attrs.get("owner") for t in shared.trials if t.state == TrialState.COMPLETE}

@@ -9,42 +9,14 @@ breakdown. The tracker slows steps several times, which is why timing runs in it
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-
-def _skip_tools_package_init() -> None:
-    """Let ``torch.distributed._tools.mem_tracker`` load without its package's ``__init__``.
-
-    That ``__init__`` imports every tool of the package, among them a runtime estimator that
-    loads the inductor: ~1.7-2.5 s of every trial's start-up, for nothing a trial uses. The
-    package is registered as a plain namespace for its submodules (torch's own code imports
-    only submodules from it, never names from the package itself).
-    """
-    import importlib.util
-    import sys
-
-    import torch.distributed  # noqa: F401  (the parent must exist first)
-
-    name = "torch.distributed._tools"
-    if name not in sys.modules:
-        spec = importlib.util.find_spec(name)
-        if spec is not None:
-            sys.modules[name] = importlib.util.module_from_spec(spec)
-
-
-_skip_tools_package_init()
-
-from torch.distributed._tools import mem_tracker  # noqa: E402
-from torch.distributed._tools.common_utils import get_untyped_storages  # noqa: E402
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType  # noqa: E402
-
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
-_round_every_device = False  # set by cuda_accounting()
+from harness.meters.accounting import MemTracker, fold, on_device, optimizer_state_bytes
+from harness.meters.timeline import TimelineTracker
+from harness.metrics import breakdown_metric
 
 
 @dataclass(frozen=True)
@@ -61,61 +33,9 @@ class MemoryReading:
         return {k: float(v) for k, v in asdict(self).items() if v is not None}
 
 
-def allocated_bytes(size: int, device: torch.device) -> int:
-    """What a storage of ``size`` bytes takes on ``device`` (CUDA rounds up to its block)."""
-    if device.type == "cuda" or _round_every_device:
-        return -(-size // CUDA_BLOCK) * CUDA_BLOCK
-    return size
-
-
-@contextlib.contextmanager
-def cuda_accounting() -> Iterator[None]:
-    """Count every storage as CUDA's caching allocator would (512-byte blocks), whatever its
-    device: a CUDA trial predicted where there is no GPU runs CPU kernels but must be accounted
-    as CUDA. ``MemTracker`` decides the rounding per storage by device type in a private
-    helper, which is why that one method is swapped for the duration."""
-    global _round_every_device
-    info = mem_tracker._WeakRefInfo
-    original = info._calculate_mem_consumed
-
-    def rounded(self: Any) -> int:
-        return allocated_bytes(self.size * self.element_size, torch.device("cuda"))
-
-    info._calculate_mem_consumed = rounded
-    _round_every_device = True
-    try:
-        yield
-    finally:
-        info._calculate_mem_consumed = original
-        _round_every_device = False
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes held by these tensors' storages on this rank, each storage once."""
-    seen: dict[int, int] = {}
-    for value in tensors:
-        if hasattr(value, "to_local"):  # a sharded DTensor (FSDP): this rank's shard
-            value = value.to_local()
-        # Tensor subclasses (torchao's 8-bit state) keep their bytes in inner tensors.
-        for storage in get_untyped_storages(value):
-            key = storage._cdata  # the StorageImpl: one per storage, fake ones too
-            seen[key] = allocated_bytes(storage.nbytes(), value.device)
-    return sum(seen.values())
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's persistent state (moments, step counters)."""
-    return storage_bytes(
-        value
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
-
-
 class MemoryWindow:
-    """Context manager around the memory-measurement steps; call ``step_done()`` after each
-    forward+backward (each micro-batch, under gradient accumulation).
+    """Context manager around the memory-measurement steps; call ``micro_batch_done()`` after
+    each forward+backward (each micro-batch, under gradient accumulation).
 
     Must start after at least one optimizer step, so the optimizer's state already exists and
     its persistent bytes can be told apart from the step's temporaries (which ``MemTracker`` also
@@ -136,11 +56,7 @@ class MemoryWindow:
         # Off when estimating on fake tensors: then there is no allocator to ask.
         self.allocator_counters = allocator_counters and device.type == "cuda"
         self.optimizer = optimizer
-        self.timeline_tracker = None
-        if timeline:
-            from harness.meters.timeline import TimelineTracker
-
-            self.timeline_tracker = TimelineTracker(device)
+        self.timeline_tracker = TimelineTracker(device) if timeline else None
         self.tracker: MemTracker = self.timeline_tracker or MemTracker()
         self.tracker.track_external(model, optimizer, *staged)
         # CUDA only: where to dump the allocator's history for PyTorch's memory viewer.
@@ -158,7 +74,7 @@ class MemoryWindow:
         self.tracker.__enter__()
         return self
 
-    def step_done(self) -> None:
+    def micro_batch_done(self) -> None:
         """After each forward+backward: ``MemTracker`` refuses a second root forward otherwise."""
         self.tracker.reset_mod_stats()
         if self.timeline_tracker is not None:
@@ -183,20 +99,8 @@ class MemoryWindow:
         return self.timeline_tracker.to_json(steps, micro_batches)
 
     def _read(self) -> MemoryReading:
-        snapshot = self.tracker.get_tracker_snapshot("peak")
-        by_type = next(
-            (snap for dev, snap in snapshot.items() if torch.device(dev).type == self.device.type),
-            {},
-        )
-        optim_total = by_type.get(_MemRefType.OPT, 0)
-        persistent_optim = min(optimizer_state_bytes(self.optimizer), optim_total)
-        step_temporaries = optim_total - persistent_optim
-        other = (
-            by_type.get(_MemRefType.BUFFER, 0)
-            + by_type.get(_MemRefType.TEMP, 0)
-            + by_type.get(_MemRefType.OTH, 0)
-            + step_temporaries
-        )
+        by_type = on_device(self.tracker.get_tracker_snapshot("peak"), self.device)
+        parts = fold(by_type, optimizer_state_bytes(self.optimizer))
         tracked_peak = by_type.get("Total", 0)
         reserved = None
         if self.allocator_counters:
@@ -204,15 +108,11 @@ class MemoryWindow:
             peak = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
             # Allocations the tracker cannot see (library workspaces, caches) count as "other".
-            other += max(0, peak - tracked_peak)
+            parts["other"] += max(0, peak - tracked_peak)
         else:
             peak = tracked_peak
         return MemoryReading(
             peak_allocated_bytes=int(peak),
-            mem_param_bytes=int(by_type.get(_MemRefType.PARAM, 0)),
-            mem_grad_bytes=int(by_type.get(_MemRefType.GRAD, 0)),
-            mem_optim_bytes=int(persistent_optim),
-            mem_activation_bytes=int(by_type.get(_MemRefType.ACT, 0)),
-            mem_other_bytes=int(other),
+            **{breakdown_metric(category): int(value) for category, value in parts.items()},
             peak_reserved_bytes=None if reserved is None else int(reserved),
         )

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from harness.meters.memory import MemTracker, _MemRefType
+from harness.meters.accounting import MemTracker, fold, on_device
+from harness.metrics import BREAKDOWN_CATEGORIES
 
-CATEGORIES = ("param", "grad", "optim", "activation", "other")
 PHASES = ("forward", "backward", "recompute", "optimizer")
 MAX_SAMPLES = 20_000  # beyond this, every k-th sample is kept (and always the peak)
 FORMAT_VERSION = 1
@@ -51,27 +51,8 @@ class TimelineTracker(MemTracker):
         return PHASES.index("forward")
 
     def sample(self) -> None:
-        snap = next(
-            (s for dev, s in self._curr_mem_snap.items() if dev.type == self.device.type), {}
-        )
-        optim_total = snap.get(_MemRefType.OPT, 0)
-        optim = min(self.persistent_optim, optim_total)
-        other = (
-            snap.get(_MemRefType.BUFFER, 0)
-            + snap.get(_MemRefType.TEMP, 0)
-            + snap.get(_MemRefType.OTH, 0)
-            + optim_total
-            - optim
-        )
-        row = (
-            self.phase(),
-            self.micro_batch,
-            snap.get(_MemRefType.PARAM, 0),
-            snap.get(_MemRefType.GRAD, 0),
-            optim,
-            snap.get(_MemRefType.ACT, 0),
-            other,
-        )
+        parts = fold(on_device(self._curr_mem_snap, self.device), self.persistent_optim)
+        row = (self.phase(), self.micro_batch, *(parts[c] for c in BREAKDOWN_CATEGORIES))
         if self.device.type == "cuda":
             row += (
                 torch.cuda.memory_allocated(self.device),
@@ -96,7 +77,7 @@ class TimelineTracker(MemTracker):
             keep = sorted(set(range(0, len(rows), stride)) | {peak, len(rows) - 1})
             rows, totals = [rows[i] for i in keep], [totals[i] for i in keep]
             peak = keep.index(peak)
-        fields = ["op", "phase", "micro_batch", *CATEGORIES]
+        fields = ["op", "phase", "micro_batch", *BREAKDOWN_CATEGORIES]
         if self.device.type == "cuda":
             fields += ["allocated", "reserved"]
         columns = {name: [r[i] for r in rows] for i, name in enumerate(fields)}
@@ -104,7 +85,7 @@ class TimelineTracker(MemTracker):
             "format": FORMAT_VERSION,
             "device": self.device.type,
             "unit": "bytes",
-            "categories": list(CATEGORIES),
+            "categories": list(BREAKDOWN_CATEGORIES),
             "phases": list(PHASES),
             "steps": steps,
             "micro_batches_per_step": micro_batches,

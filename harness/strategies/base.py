@@ -31,9 +31,6 @@ class TrialContext:
     family: str
     data: Any  # harness.workloads.tensors.SplitData (CPU tensors); None while estimating
     batch_size: int
-    # Filled by the loop for after_training hooks: evaluates a model on the held-out split and
-    # returns {"accuracy": ..., "eval_loss": ...}.
-    evaluate: Any = None
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property

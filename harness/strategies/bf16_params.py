@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from harness.strategies.base import Strategy, TrialContext
-from harness.trial.modules import convert
+from harness.workloads.convert import convert
 
 
 class Bf16Params(Strategy):

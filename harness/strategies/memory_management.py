@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from harness.strategies.base import Strategy, TrialContext
-from harness.trial.modules import convert
+from harness.workloads.convert import convert
 
 # PyTorch >= 2.9 also reads the device-neutral PYTORCH_ALLOC_CONF; when a user has set that one,
 # it gets the setting too, so whichever variable the allocator reads has it.

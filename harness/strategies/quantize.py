@@ -26,15 +26,14 @@ import warnings
 import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import prune
 
+from harness.meters.accounting import peak_forward_bytes
+from harness.meters.accuracy import EVAL_BATCH
 from harness.strategies.base import Strategy, TrialContext
-from harness.trial.loop import EVAL_BATCH
 
 PEAK_BATCH = 256  # held-out samples in the forward pass whose peak memory is measured
-CPU = torch.device("cpu")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -88,15 +87,6 @@ def packed_bytes(qmodel: nn.Module) -> tuple[int, int]:
     return weights, weights + biases
 
 
-def peak_inference_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Peak live tensor bytes on the CPU over one forward pass (model and input included)."""
-    tracker = MemTracker()
-    tracker.track_external(model, x)
-    with tracker, torch.no_grad():
-        model(x)
-    return int(tracker.get_tracker_snapshot("peak").get(CPU, {}).get("Total", 0))
-
-
 def as_input(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.is_floating_point() else x
 
@@ -124,13 +114,13 @@ class QuantizeInt8(Strategy):
             if isinstance(m, nn.Linear)
         )
         x = as_input(ctx.data.test_x[:PEAK_BATCH].cpu())
-        float_peak = peak_inference_bytes(fmodel, x)
+        float_peak = peak_forward_bytes(fmodel, x)
         qmodel = quantize(fmodel)  # in place: fmodel is already a private copy
         int8_bytes, hidden_bytes = packed_bytes(qmodel)
         return {
             "float_linear_weight_bytes": float(float_bytes),
             "int8_linear_weight_bytes": float(int8_bytes),
             "float_peak_inference_bytes": float(float_peak),
-            "int8_peak_inference_bytes": float(peak_inference_bytes(qmodel, x) + hidden_bytes),
+            "int8_peak_inference_bytes": float(peak_forward_bytes(qmodel, x) + hidden_bytes),
             "int8_accuracy": cpu_accuracy(qmodel, ctx.data.test_x, ctx.data.test_y),
         }

@@ -7,7 +7,6 @@ killed by a signal writes nothing, and the launcher records that as ``crash`` to
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -17,12 +16,12 @@ from pathlib import Path
 
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
-from harness.trial.outcome import Status, failure_result
+from harness.trial.result import Status, TrialResult
 
 
-def write_result(path: Path, result: dict) -> None:
+def write_result(path: Path, result: TrialResult) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
+    tmp.write_text(result.to_json())
     tmp.replace(path)  # atomic: the launcher never reads half a file
 
 
@@ -51,19 +50,19 @@ def main(argv: list[str]) -> int:
     exit_with_parent()
     config = TrialConfig.from_json(config_path.read_text())
     try:
-        from harness.trial.loop import run_trial
+        from harness.trial.run import run_trial
 
         result = run_trial(config, result_path.parent)
     except Exception as error:  # any bug or bad user code: recorded, never fatal to the sweep
         traceback.print_exc()
         reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]
-        result = failure_result(config.trial_key, Status.CRASH, reason)
+        result = TrialResult.failure(config.trial_key, Status.CRASH, reason)
         if Ranks.from_env().is_writer:
             write_result(result_path, result)
         return 1
     if Ranks.from_env().is_writer:  # one result per trial, however many ranks ran it
         write_result(result_path, result)
-    print(f"trial {config.trial_key}: {result['status']} {result['failure_reason']}".rstrip())
+    print(f"trial {config.trial_key}: {result.status} {result.failure_reason}".rstrip())
     return 0
 
 

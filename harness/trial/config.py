@@ -1,4 +1,8 @@
-"""The plain, JSON-serialisable description of one trial: what the sweep hands the trial worker."""
+"""The plain, JSON-serialisable description of one trial: what the sweep hands the trial worker.
+
+Standard library only (the registries it reads are plain data), so the sweep layer builds these
+without importing torch.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from harness.strategies import world_size
+from harness.workloads import resolve_knobs
 
 NOT_DEFINING = ("python_path", "run_infeasible", "timeline")
 # Files a trial writes beside its result.json (all logged as MLflow artifacts under trial/).
@@ -50,6 +57,26 @@ class TrialConfig:
     def strategy_text(self) -> str:
         """Canonical one-string form, e.g. ``checkpoint+accumulate:4`` (the results-table value)."""
         return "+".join(self.strategy)
+
+    @property
+    def knobs(self) -> dict[str, Any]:
+        """The model's knobs with the family's defaults and preset filled in."""
+        return resolve_knobs(self.model_family, self.model_knobs)
+
+    @property
+    def dataset_options(self) -> dict[str, Any]:
+        """What the dataset loader gets: the spec's options, and a sequence model's ``seq_len``
+        as the length of its text windows."""
+        options = dict(self.data_options)
+        knobs = self.knobs
+        if "seq_len" in knobs:
+            options.setdefault("seq_len", knobs["seq_len"])
+        return options
+
+    @property
+    def world_size(self) -> int:
+        """Processes the trial runs on: N for ``ddp:N``/``fsdp:N``, else 1."""
+        return world_size(self.strategy)
 
     @property
     def trial_key(self) -> str:

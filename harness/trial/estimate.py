@@ -31,20 +31,17 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.meters.memory import (
-    MemoryWindow,
-    cuda_accounting,
-    optimizer_state_bytes,
-    storage_bytes,
-)
-from harness.strategies import build_strategies, parse_term, world_size
+from harness.contract import OPTIMIZER_STATE_BYTES
+from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
+from harness.meters.memory import MemoryWindow
+from harness.strategies import STRATEGIES, parse_term
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
+from harness.trial.setup import build_setup
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
 UNPREDICTABLE = {"adam8bit": "its step is compiled code, which cannot run on fake tensors"}
-EAGER_ONLY = {"compile"}
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
 
 
@@ -91,21 +88,16 @@ def estimate_peak(
     names = {parse_term(term)[0] for term in config.strategy}
     for name in sorted(names & UNPREDICTABLE.keys()):
         return {"unpredictable": f"{name}: {UNPREDICTABLE[name]}"}
-    from harness.trial.loop import Trial
-
-    trial = Trial(config)
-    trial.strategies = [s for s in build_strategies(config.strategy) if s.name not in EAGER_ONLY]
-    trial.ranks = Ranks(rank=0, size=world_size(config.strategy))
-    trial.device = device
+    ranks = Ranks(rank=0, size=config.world_size)
     try:
         with (
             cuda_accounting() if as_cuda else contextlib.nullcontext(),
-            fake_process_group(trial.ranks),
+            fake_process_group(ranks),
             FakeTensorMode(allow_non_fake_inputs=True),
             ValuesReadAsOne(),
         ):
-            info = describe_dataset(config.dataset, trial.data_options())
-            trial.build(info, None)
+            info = describe_dataset(config.dataset, config.dataset_options)
+            setup = build_setup(config, device, ranks, info, None)
             shape = (config.batch_size, *info.input_shape)
 
             def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,24 +107,23 @@ def estimate_peak(
                 else:
                     x = torch.randn(shape)
                     y = torch.randint(0, info.num_classes, (config.batch_size,))
-                return trial.to_device((x, y))
+                return setup.to_device((x, y))
 
-            trial.train_step(*batch())  # one warm-up step: the optimizer state now exists
+            setup.train_step(*batch())  # one warm-up step: the optimizer state now exists
             staged = [batch() for _ in range(config.memory_steps)]
             window = MemoryWindow(
                 device,
-                trial.model,
-                trial.optimizer,
+                setup.model,
+                setup.optimizer,
                 [t for b in staged for t in b],
                 allocator_counters=False,
             )
-            trial.after_micro_batch = window.step_done
             with window:
                 for x, y in staged:
-                    trial.train_step(x, y)
+                    setup.train_step(x, y, on_micro_batch=window.micro_batch_done)
             # This rank's parameters + one gradient each + the optimizer's persistent state.
-            model_state = 2 * storage_bytes(trial.model.parameters()) + optimizer_state_bytes(
-                trial.optimizer
+            model_state = 2 * storage_bytes(setup.model.parameters()) + optimizer_state_bytes(
+                setup.optimizer
             )
     except Exception as error:  # data-dependent code cannot run on fake tensors
         return {"unpredictable": f"{type(error).__name__}: {error}".splitlines()[0][:200]}
@@ -140,7 +131,7 @@ def estimate_peak(
     reading = window.reading.metrics()
     prediction = {"predicted_peak_bytes": reading.pop("peak_allocated_bytes")}
     prediction.update({f"predicted_{key}": value for key, value in reading.items()})
-    prediction["num_params"] = trial.metrics["num_params"]
+    prediction["num_params"] = float(setup.num_params)
     prediction["predicted_model_state_bytes"] = model_state
     return prediction
 
@@ -169,22 +160,22 @@ def host_guard(predicted_peak: float, device: torch.device) -> str | None:
     )
 
 
-def closed_form(config: TrialConfig, num_params: float, knobs: dict[str, int]) -> dict[str, float]:
+def closed_form(config: TrialConfig, num_params: float) -> dict[str, float]:
     """Textbook cross-checks: model-state bytes from bytes per parameter, and (gpt) activations
     by Korthikanti et al. 2022, ``s*b*h*(34 + 5*a*s/h)`` per layer in 16-bit (full recomputation
     keeps ~``2*s*b*h``)."""
     names = [parse_term(t) for t in config.strategy]
     optimizer = next(
-        (n for n, _ in names if n in ("sgd", "sgd_momentum", "adamw", "adafactor", "adam8bit")),
-        config.optimizer["name"],
+        (n for n, _ in names if STRATEGIES[n].group == "optimizer"), config.optimizer["name"]
     )
     if optimizer == "sgd" and config.optimizer.get("momentum"):
         optimizer = "sgd_momentum"
-    state = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4, "adam8bit": 2, "adafactor": 0}
     scale = 0.5 if any(n == "bf16_params" for n, _ in names) else 1.0
     if any(n == "fsdp" for n, _ in names):  # per rank: a 1/N shard of everything
-        scale /= world_size(config.strategy)
-    out = {"closed_form_model_state_bytes": num_params * (8 + state[optimizer]) * scale}
+        scale /= config.world_size
+    state = OPTIMIZER_STATE_BYTES[optimizer]
+    out = {"closed_form_model_state_bytes": num_params * (8 + state) * scale}
+    knobs = config.knobs
     if {"n_layer", "d_model", "n_head", "seq_len"} <= knobs.keys():
         s, b, h, a = knobs["seq_len"], config.batch_size, knobs["d_model"], knobs["n_head"]
         per_layer = (
@@ -215,8 +206,6 @@ def main(argv: list[str]) -> int:
     import time
     from pathlib import Path
 
-    from harness.workloads import resolve_knobs
-
     request = json.loads(Path(argv[0]).read_text())
     device = torch.device(request["device"])
     # Autograd's engine needs a real CUDA runtime even for fake CUDA tensors: without a GPU,
@@ -231,8 +220,7 @@ def main(argv: list[str]) -> int:
         prediction = estimate_peak(config, device, as_cuda)
         row = {"trial_key": config.trial_key, **prediction, "note": device_note(config, as_cuda)}
         if "num_params" in prediction:
-            knobs = resolve_knobs(config.model_family, config.model_knobs)
-            row.update(closed_form(config, prediction["num_params"], knobs))
+            row.update(closed_form(config, prediction["num_params"]))
         row["estimate_seconds"] = time.perf_counter() - started
         rows.append(row)
         print(

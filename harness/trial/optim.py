@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor", "adam8bit")
+from harness.contract import OPTIMIZERS
 
 
 def build_optimizer(

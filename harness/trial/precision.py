@@ -11,16 +11,17 @@ from typing import Any
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from harness.contract import DTYPES
+
+TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 class Precision:
     def __init__(self, dtype: str, device: torch.device, scaler: bool = True) -> None:
-        if dtype not in DTYPES:
+        if dtype not in TORCH_DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-        self.name = dtype
         self.device = device
-        self.dtype = DTYPES[dtype]
+        self.dtype = TORCH_DTYPES[dtype]
         # The estimator runs without one: the scaler's inf check reads a value, which fake
         # tensors do not have (its memory, a few scalars, does not matter).
         self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" and scaler else None

@@ -34,7 +34,7 @@ POLL_S = 0.02  # without a pidfd: how often a running trial's zygote looks at it
 
 
 def preload() -> None:
-    """Import what every trial needs: torch, the trial loop, the estimator, every registered
+    """Import what every trial needs: torch, the trial's run (loop, estimator), every registered
     model family's and dataset's module (torchvision among them). Missing extras are skipped.
 
     Imports only: running anything here would be inherited by every child, and some of it
@@ -45,7 +45,7 @@ def preload() -> None:
 
     from harness.workloads import DATASETS, FAMILIES
 
-    modules = ["harness.trial.__main__", "harness.trial.loop", "harness.trial.estimate"]
+    modules = ["harness.trial.__main__", "harness.trial.run"]
     modules += [family.builder.partition(":")[0] for family in FAMILIES.values()]
     modules += [dataset.loader.partition(":")[0] for dataset in DATASETS.values()]
     for name in modules:

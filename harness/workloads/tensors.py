@@ -34,15 +34,6 @@ class SplitData:
         per_sample = self.train_y[0].numel() if self.train_y.dim() > 1 else 1
         return DataInfo(tuple(self.train_x.shape[1:]), self.num_classes, per_sample)
 
-    def to(self, device: torch.device) -> SplitData:
-        return SplitData(
-            self.train_x.to(device),
-            self.train_y.to(device),
-            self.test_x.to(device),
-            self.test_y.to(device),
-            self.num_classes,
-        )
-
 
 def split(
     x: torch.Tensor, y: torch.Tensor, num_classes: int, test_fraction: float, seed: int

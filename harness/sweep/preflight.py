@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from harness.coordination import JOURNAL_PREFIX, redact
+from harness.record.stores import JOURNAL_PREFIX, redact
 from harness.spec import Spec, SpecError
 
 TIMEOUT_S = 5

@@ -24,17 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.strategies import world_size
 from harness.trial.config import SNAPSHOT_FILE, TIMELINE_FILE, TIMELINE_PNG, TrialConfig
-from harness.trial.outcome import Status, failure_result
-from harness.units import format_bytes
+from harness.trial.result import Status, TrialResult
 
-RETRYABLE = {Status.CRASH.value, Status.TIMEOUT.value}
 TRIAL_FILES = (TIMELINE_FILE, TIMELINE_PNG, SNAPSHOT_FILE)
-
-
-def failure(config: TrialConfig, status: Status, reason: str) -> dict[str, Any]:
-    return failure_result(config.trial_key, status, reason)
 
 
 def _kill_tree(process: subprocess.Popen[bytes]) -> None:
@@ -196,7 +189,7 @@ def _run_fresh(
             raise
 
 
-def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[str, Any]:
+def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> TrialResult:
     """Run ``python -m harness.trial`` for ``config`` in ``workdir``; always return a result.
 
     ``workdir`` keeps ``config.json``, ``result.json`` and ``trial.log`` (stdout + stderr).
@@ -214,7 +207,7 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[s
         stale.unlink(missing_ok=True)  # left by an earlier attempt at this trial
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "harness.trial", str(config_path), str(result_path)]
-    ranks = world_size(config.strategy)
+    ranks = config.world_size
     if ranks > 1:  # torchrun starts the ranks; if one dies it stops the others
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     started = time.monotonic()
@@ -238,35 +231,18 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> dict[s
         returncode = _run_fresh(command, env, log_path, timeout_s)
     wall = time.monotonic() - started
     start = "warm" if warm else "fresh" if ranks == 1 else "torchrun"
+    key = config.trial_key
     if returncode is None:
-        result = failure(
-            config, Status.TIMEOUT, f"no result after the {timeout_s:g}s trial_timeout; killed"
-        )
+        reason = f"no result after the {timeout_s:g}s trial_timeout; killed"
+        result = TrialResult.failure(key, Status.TIMEOUT, reason)
     elif result_path.exists():
-        result = json.loads(result_path.read_text())
+        result = TrialResult.from_json(result_path.read_text())
     elif returncode < 0:
-        result = failure(config, Status.CRASH, f"killed by {_signal_name(-returncode)}")
+        result = TrialResult.failure(key, Status.CRASH, f"killed by {_signal_name(-returncode)}")
     else:
         detail = _last_log_line(log_path) or "no output"
-        result = failure(
-            config, Status.CRASH, f"exited with code {returncode} without a result: {detail}"
-        )
-    result["wall_time_s"] = wall
-    result.setdefault("info", {})["trial_start"] = start
+        reason = f"exited with code {returncode} without a result: {detail}"
+        result = TrialResult.failure(key, Status.CRASH, reason)
+    result.wall_time_s = wall
+    result.info["trial_start"] = start
     return result
-
-
-def describe(result: dict[str, Any]) -> str:
-    """A short human summary of a result for progress lines."""
-    metrics = result.get("metrics", {})
-    parts = [result["status"]]
-    if "peak_allocated_bytes" in metrics:
-        parts.append(f"peak {format_bytes(metrics['peak_allocated_bytes'])}")
-    if "throughput" in metrics:
-        unit = result.get("info", {}).get("throughput_unit", "samples/s")
-        parts.append(f"{metrics['throughput']:,.0f} {unit}")
-    if "accuracy" in metrics:
-        parts.append(f"acc {metrics['accuracy']:.3f}")
-    if result.get("failure_reason"):
-        parts.append(f"({result['failure_reason']})")
-    return "  ".join(parts)

@@ -8,17 +8,15 @@ batch, so a killed sweep never leaves half-recorded trials behind.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from harness.strategies import world_size
+from harness.record.stores import initialise_mlflow_store, prepare_store, quiet_mlflow
 from harness.trial.config import TrialConfig
+from harness.trial.result import Status, TrialResult
 
 ROLE_TAG = "harness_role"
 SWEEP_ROLE, TRIAL_ROLE = "sweep", "trial"
@@ -26,60 +24,13 @@ PARENT_TAG = "mlflow.parentRunId"
 BATCH = 1000  # MLflow's log_batch limit on entities (metrics + params + tags) per call
 PARAMS_PER_BATCH = 100  # ... and on params per call
 HISTORY_POINTS = 250  # most points of a trial's per-step loss curve kept in MLflow
+# MLflow's run status: a trial that measured what it could is FINISHED, one that broke FAILED.
 ENDED_RUN_STATUS = {
-    "ok": "FINISHED",
-    "oom": "FINISHED",
-    "infeasible": "FINISHED",
-    "diverged": "FINISHED",
+    Status.OK: "FINISHED",
+    Status.OOM: "FINISHED",
+    Status.INFEASIBLE: "FINISHED",
+    Status.DIVERGED: "FINISHED",
 }
-
-
-def quiet_mlflow() -> None:
-    """MLflow logs schema migrations and store creation at INFO; users need none of it. Its
-    usage telemetry (on by default in MLflow 3) is switched off unless the user decided
-    otherwise through ``MLFLOW_DISABLE_TELEMETRY``: a sweep must work offline and not report
-    on its users, and each recorded call pays for it.
-
-    Call before using mlflow: its import configures the "mlflow" logger, which this quietens.
-    """
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per file
-    import mlflow  # noqa: F401  (configures its loggers, which we then quieten)
-
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def prepare_store(uri: str, initialise: Callable[[str], object] | None = None) -> None:
-    """Create a ``sqlite:///path.db`` store's folder and, if the file is new, its tables.
-
-    The tables are built in a temporary file that is then renamed into place, so a sweep killed
-    while a store is being created (schema migrations take seconds) never leaves a half-built
-    database that the next run cannot open. ``initialise(url)`` builds the tables.
-    """
-    parsed = urlparse(uri)
-    if parsed.scheme != "sqlite":
-        return
-    raw = uri.removeprefix("sqlite:///")
-    if not raw or raw == ":memory:":
-        return
-    path = Path(raw)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if initialise is None or path.exists():
-        return
-    scratch = path.with_name(f".{path.name}.{os.getpid()}.creating")
-    scratch.unlink(missing_ok=True)
-    initialise(f"sqlite:///{scratch}")
-    if path.exists():  # another process finished first: keep theirs
-        scratch.unlink(missing_ok=True)
-    else:
-        os.replace(scratch, path)
-
-
-def initialise_mlflow_store(url: str) -> None:
-    from mlflow.tracking import MlflowClient
-
-    MlflowClient(tracking_uri=url).search_experiments(max_results=1)
 
 
 def git_commit() -> str | None:
@@ -92,7 +43,7 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def trial_params(config: TrialConfig, result: dict[str, Any]) -> dict[str, str]:
+def trial_params(config: TrialConfig, result: TrialResult) -> dict[str, str]:
     """The trial's configuration as MLflow params (strings; the results layer casts them back)."""
     params: dict[str, Any] = {
         "model": config.model_family,
@@ -100,14 +51,14 @@ def trial_params(config: TrialConfig, result: dict[str, Any]) -> dict[str, str]:
         "batch_size": config.batch_size,
         "dtype": config.dtype,
         "strategy": config.strategy_text,
-        "optimizer": result.get("info", {}).get("optimizer", config.optimizer["name"]),
+        "optimizer": result.info.get("optimizer", config.optimizer["name"]),
         "lr": config.optimizer["lr"],
         "weight_decay": config.optimizer.get("weight_decay", 0.0),
         "momentum": config.optimizer.get("momentum", 0.0),
         "foreach": config.optimizer.get("foreach", False),
         "dataset": config.dataset,
-        "device": result.get("info", {}).get("device", config.device),
-        "world_size": world_size(config.strategy),
+        "device": result.info.get("device", config.device),
+        "world_size": config.world_size,
         "seed": config.seed,
         "budget": ",".join(f"{k}={v}" for k, v in config.budget.items()),
         "warmup_steps": config.warmup_steps,
@@ -248,21 +199,20 @@ class Tracker:
         self,
         parent_run_id: str,
         config: TrialConfig,
-        result: dict[str, Any],
+        result: TrialResult,
         workdir: Path,
         started_ms: int,
         run_name: str,
     ) -> str:
-        info = result.get("info", {})
         # Everything the trial reported about itself (device, threads, strategy notes) as tags.
-        tags = {key: str(value) for key, value in info.items()}
+        tags = {key: str(value) for key, value in result.info.items()}
         tags |= {
             ROLE_TAG: TRIAL_ROLE,
             PARENT_TAG: parent_run_id,
             "trial_key": config.trial_key,
-            "status": result["status"],
-            "failure_reason": result.get("failure_reason", ""),
-            "attempts": str(result.get("attempts", 1)),  # > 1: crash/timeout retried
+            "status": result.status.value,
+            "failure_reason": result.failure_reason,
+            "attempts": str(result.attempts),  # > 1: crash/timeout retried
         }
         if self.commit:
             tags["git_commit"] = self.commit
@@ -270,16 +220,15 @@ class Tracker:
             self.experiment_id, run_name=run_name, start_time=started_ms, tags=tags
         )
         run_id = run.info.run_id
-        metrics = dict(result.get("metrics", {}))
-        if "wall_time_s" in result:
-            metrics["trial_wall_time_s"] = result["wall_time_s"]
+        metrics = dict(result.metrics)
+        if result.wall_time_s is not None:
+            metrics["trial_wall_time_s"] = result.wall_time_s
         history = [
-            ("train_loss_step", value, step)
-            for step, value in loss_curve(result.get("loss_history", []))
+            ("train_loss_step", value, step) for step, value in loss_curve(result.loss_history)
         ]
         self._log(run_id, metrics=metrics, params=trial_params(config, result), history=history)
         self.client.log_artifacts(run_id, str(workdir), artifact_path="trial")
-        self.client.set_terminated(run_id, status=ENDED_RUN_STATUS.get(result["status"], "FAILED"))
+        self.client.set_terminated(run_id, status=ENDED_RUN_STATUS.get(result.status, "FAILED"))
         return run_id
 
     def _log(
@@ -302,3 +251,13 @@ class Tracker:
             room = BATCH - len(some_params)
             some_metrics, entries = entries[:room], entries[room:]
             self.client.log_batch(run_id, metrics=some_metrics, params=some_params)
+
+
+def publish(tracking_uri: str, run_id: str, paths: list[Path], folder: str) -> None:
+    """Copy files onto a run (a sweep's parent run), so the MLflow UI shows them beside it."""
+    quiet_mlflow()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for path in paths:
+        client.log_artifact(run_id, str(path), artifact_path=folder)

@@ -2,6 +2,7 @@
 
 PNG (matplotlib, headless ``Agg``) for reports and MLflow's artifact view; HTML (plotly, with
 plotly.js embedded so the file opens offline) where hovering a point shows the trial's config.
+Colours and labels: ``harness.analyse.style``, the same in both.
 """
 
 from __future__ import annotations
@@ -12,22 +13,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from harness.pareto import MEMORY, Objective, ParetoAnalysis, non_dominated
+from harness.analyse.pareto import MEMORY, Objective, ParetoAnalysis, non_dominated
+from harness.analyse.style import BREAKDOWN_COLOURS, BREAKDOWN_LABELS, NOT_FEASIBLE, group_colour
+from harness.contract import AXES
+from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
 from harness.units import format_bytes
 
-BREAKDOWN = {
-    "mem_param_bytes": "parameters",
-    "mem_grad_bytes": "gradients",
-    "mem_optim_bytes": "optimizer state",
-    "mem_activation_bytes": "activations",
-    "mem_other_bytes": "other",
-}
-CONFIG = ["model_size", "batch_size", "dtype", "strategy"]
-GREY = "#b0b0b0"
+# The breakdown's metrics in stacking order, and their category.
+BREAKDOWN = {breakdown_metric(c): c for c in BREAKDOWN_CATEGORIES}
 
 
 def config_label(row: pd.Series) -> str:
-    return " ".join(str(row[c]) for c in CONFIG if c in row.index)
+    """A trial's grid point in words, e.g. ``small 32 bf16 checkpoint``."""
+    return " ".join(str(row[c]) for c in AXES if c in row.index)
 
 
 def projections(analysis: ParetoAnalysis) -> list[Objective]:
@@ -67,11 +65,10 @@ def pareto_png(frame: pd.DataFrame, analysis: ParetoAnalysis, path: Path, title:
     axes = np.atleast_1d(axes)
     feasible = analysis.feasible
     out = frame[~feasible]
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, y in zip(axes, panels, strict=False):
         for index, (name, members) in enumerate(groups_of(frame, analysis)):
             usable = members[feasible.loc[members.index]]
-            colour = colours[index % len(colours)]
+            colour = group_colour(index)
             axis.scatter(usable[x.metric], usable[y.metric], color=colour, s=22, alpha=0.7)
             if not usable.empty:
                 xs, ys = step_front(usable, x, y)
@@ -81,7 +78,7 @@ def pareto_png(frame: pd.DataFrame, analysis: ParetoAnalysis, path: Path, title:
             axis.scatter(
                 infeasible_memory(out),
                 out[y.metric].fillna(0.0) if y.metric in out else np.zeros(len(out)),
-                color=GREY,
+                color=NOT_FEASIBLE,
                 marker="x",
                 label="not feasible (oom / infeasible / failed / over budget)",
             )
@@ -127,11 +124,10 @@ def pareto_figure(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> 
         ),
         axis=1,
     )
-    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
     for column, y in enumerate(panels, start=1):
         for index, (name, members) in enumerate(groups_of(frame, analysis)):
             usable = members[feasible.loc[members.index]]
-            colour = palette[index % len(palette)]
+            colour = group_colour(index)
             figure.add_trace(
                 go.Scatter(
                     x=usable[x.metric],
@@ -172,7 +168,7 @@ def pareto_figure(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> 
                     mode="markers",
                     name="not feasible",
                     showlegend=column == 1,
-                    marker={"color": GREY, "symbol": "x"},
+                    marker={"color": NOT_FEASIBLE, "symbol": "x"},
                     hovertext=hover.loc[out.index],
                     hoverinfo="text",
                 ),
@@ -212,7 +208,11 @@ def breakdown_png(frame: pd.DataFrame, path: Path, title: str) -> Path:
     figure, axis = plt.subplots(figsize=(10, height))
     left = np.zeros(len(data))
     for column in data.columns:
-        axis.barh(data.index, data[column], left=left, label=BREAKDOWN[column])
+        category = BREAKDOWN[column]
+        axis.barh(
+            data.index, data[column], left=left, label=BREAKDOWN_LABELS[category],
+            color=BREAKDOWN_COLOURS[category],
+        )  # fmt: skip
         left += data[column].to_numpy()
     axis.set_xlabel("MiB at the moment of peak")
     axis.set_title(title)
@@ -231,13 +231,15 @@ def breakdown_figure(frame: pd.DataFrame, title: str) -> Any:
     data = breakdown_frame(frame)
     figure = go.Figure()
     for column in data.columns:
+        label = BREAKDOWN_LABELS[BREAKDOWN[column]]
         figure.add_trace(
             go.Bar(
                 y=data.index,
                 x=data[column] / 2**20,
-                name=BREAKDOWN[column],
+                name=label,
                 orientation="h",
-                hovertemplate="%{y}<br>" + BREAKDOWN[column] + ": %{x:.3f} MiB<extra></extra>",
+                marker={"color": BREAKDOWN_COLOURS[BREAKDOWN[column]]},
+                hovertemplate="%{y}<br>" + label + ": %{x:.3f} MiB<extra></extra>",
             )
         )
     figure.update_layout(
@@ -245,131 +247,5 @@ def breakdown_figure(frame: pd.DataFrame, title: str) -> Any:
         title=title,
         xaxis_title="MiB at the moment of peak",
         height=max(360, 22 * len(data) + 160),
-    )
-    return figure
-
-
-# ---- memory timelines (harness.meters.timeline's JSON) -------------------------------------
-
-TIMELINE_LABELS = {
-    "param": "parameters",
-    "grad": "gradients",
-    "optim": "optimizer state",
-    "activation": "activations",
-    "other": "other",
-}
-PHASE_COLOURS = {
-    "forward": "#e3eef9",
-    "backward": "#fde9d9",
-    "recompute": "#f8cfcf",
-    "optimizer": "#e2f2dd",
-}
-
-
-def timeline_frame(data: dict[str, Any]) -> pd.DataFrame:
-    """One row per sample: op index, phase name, micro-batch, bytes per category and total."""
-    frame = pd.DataFrame(data["samples"])
-    frame["phase"] = [data["phases"][i] for i in frame["phase"]]
-    return frame
-
-
-def phase_runs(frame: pd.DataFrame) -> list[tuple[str, float, float]]:
-    """``(phase, first op, last op)`` for each stretch of consecutive samples in one phase."""
-    runs: list[tuple[str, float, float]] = []
-    ops, phases = frame["op"].tolist(), frame["phase"].tolist()
-    for index, (op, phase) in enumerate(zip(ops, phases, strict=True)):
-        end = ops[index + 1] if index + 1 < len(ops) else op
-        if runs and runs[-1][0] == phase:
-            runs[-1] = (phase, runs[-1][1], end)
-        else:
-            runs.append((phase, op, end))
-    return runs
-
-
-def timeline_png(timelines: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> Path:
-    """One timeline: stacked areas by category over the window's ops, phases as bands, the
-    peak marked. Several: each one's total (solid) and activations (dashed), overlaid."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(11, 4.2))
-    if len(timelines) == 1:
-        label, data = timelines[0]
-        frame = timeline_frame(data)
-        for phase, start, end in phase_runs(frame):
-            axis.axvspan(start, end, color=PHASE_COLOURS[phase], lw=0)
-        stacks = [frame[c] / 2**20 for c in data["categories"]]
-        axis.stackplot(
-            frame["op"],
-            stacks,
-            labels=[TIMELINE_LABELS[c] for c in data["categories"]],
-            step="post",
-            alpha=0.85,
-        )
-        if "reserved" in frame:
-            axis.step(frame["op"], frame["reserved"] / 2**20, where="post", color="k", lw=1,
-                      label="reserved (CUDA)")  # fmt: skip
-        peak = data["peak_index"]
-        if peak is not None:
-            x, y = frame["op"][peak], frame["total"][peak] / 2**20
-            axis.axvline(x, color="#c00000", lw=1, ls="--")
-            axis.annotate(f"peak {format_bytes(frame['total'][peak])}", (x, y),
-                          textcoords="offset points", xytext=(4, 4), color="#c00000",
-                          fontsize=8)  # fmt: skip
-        handles, labels = axis.get_legend_handles_labels()
-        handles += [matplotlib.patches.Patch(color=c) for c in PHASE_COLOURS.values()]
-        labels += list(PHASE_COLOURS)
-        axis.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    else:
-        colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        for (label, data), colour in zip(timelines, colours, strict=False):
-            frame = timeline_frame(data)
-            axis.step(frame["op"], frame["total"] / 2**20, where="post", color=colour,
-                      label=f"{label}: total")  # fmt: skip
-            axis.step(frame["op"], frame["activation"] / 2**20, where="post", color=colour,
-                      ls="--", label=f"{label}: activations")  # fmt: skip
-        axis.legend(fontsize=8, loc="upper left")
-    axis.set_xlabel("op in the memory window")
-    axis.set_ylabel("MiB held by tensors")
-    axis.set_title(title)
-    axis.margins(x=0)
-    # Fixed margins rather than tight_layout: a sweep draws one per trial, and the layout pass
-    # costs as much as the drawing.
-    figure.subplots_adjust(left=0.06, right=0.84 if len(timelines) == 1 else 0.98, bottom=0.12)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
-
-
-def timeline_figure(label: str, data: dict[str, Any]) -> Any:
-    """The interactive version of one timeline, for the HTML report."""
-    import plotly.graph_objects as go
-
-    frame = timeline_frame(data)
-    figure = go.Figure()
-    for phase, start, end in phase_runs(frame):
-        figure.add_vrect(x0=start, x1=end, fillcolor=PHASE_COLOURS[phase], line_width=0,
-                         layer="below")  # fmt: skip
-    for category in data["categories"]:
-        figure.add_trace(
-            go.Scatter(
-                x=frame["op"],
-                y=frame[category] / 2**20,
-                name=TIMELINE_LABELS[category],
-                stackgroup="memory",
-                line_shape="hv",
-                customdata=frame["phase"],
-                hovertemplate="op %{x} (%{customdata})<br>%{y:.3f} MiB<extra></extra>",
-            )
-        )
-    figure.update_layout(
-        title=f"Memory timeline: {label}",
-        xaxis_title="op in the memory window",
-        yaxis_title="MiB held by tensors",
-        height=340,
-        margin={"t": 40, "b": 40},
     )
     return figure

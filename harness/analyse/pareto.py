@@ -22,6 +22,8 @@ import moocore
 import numpy as np
 import pandas as pd
 
+from harness import contract
+from harness.contract import AXES
 from harness.metrics import METRICS
 from harness.units import format_bytes
 
@@ -42,11 +44,8 @@ class Objective:
         return f"{self.metric}:{'max' if self.maximise else 'min'}"
 
 
-DEFAULT_OBJECTIVES = (
-    Objective(MEMORY, "minimize"),
-    Objective("throughput", "maximize"),
-    Objective("accuracy", "maximize"),
-)
+# What a sweep optimises when its spec names no objectives (``harness.contract``).
+DEFAULT_OBJECTIVES = tuple(Objective(metric, way) for metric, way in contract.DEFAULT_OBJECTIVES)
 
 
 def parse_objectives(text: str) -> list[Objective]:
@@ -142,6 +141,32 @@ class ParetoAnalysis:
             f"normalised per objective over the sweep's feasible trials (0 best, 1 worst); "
             f"reference point {REFERENCE} in each; 1.0 = everything best at once"
         )
+
+    def front_table(self) -> pd.DataFrame:
+        """The front's grid points and objective values, best in the first objective first."""
+        columns = [*AXES, *[o.metric for o in self.objectives]]
+        seen = [c for c in dict.fromkeys(columns) if c in self.front]
+        ordered = self.front.sort_values(self.objectives[0].metric)
+        return ordered[seen].reset_index(drop=True)
+
+    def dominance_table(self) -> pd.DataFrame:
+        """The dominance matrix in percent, for printing."""
+        percent = (self.dominance * 100).round(0).astype(int).astype(str) + "%"
+        return percent.reset_index().rename(columns={"front A": "front A dominates ->"})
+
+
+# Columns that group a sweep's fronts under --by auto, in order of preference.
+GROUPABLE = ("strategy", "dtype", "model_size", "batch_size")
+
+
+def group_column(frame: pd.DataFrame, by: str) -> str | None:
+    """``auto``: the first of strategy, dtype, model_size, batch_size that varies in the sweep;
+    ``none``: no groups; else the column named."""
+    if by == "none":
+        return None
+    if by != "auto":
+        return by
+    return next((c for c in GROUPABLE if c in frame and frame[c].nunique() > 1), None)
 
 
 def analyse(

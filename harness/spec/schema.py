@@ -1,22 +1,18 @@
-"""The YAML experiment spec: pydantic models, loading with one-line errors, and grid expansion.
+"""The YAML experiment spec as pydantic models: every key, its default and its checks.
 
 Key names follow the design notes §7 and are a contract with users; every key is documented in
-the README. Unknown keys are errors, so a typo never silently changes a sweep.
+the README. Unknown keys are errors, so a typo never silently changes a sweep. Validators
+complain with ``FieldProblem`` (a place inside the field) or ``ValueError``; ``spec.load``
+turns either into one line.
 """
 
 from __future__ import annotations
 
-import difflib
-import hashlib
 import itertools
 import math
 import re
-import types
-import typing
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -25,47 +21,27 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from harness import strategies
+from harness.contract import (
+    AXES,
+    DEFAULT_MLFLOW_URI,
+    DEFAULT_OBJECTIVES,
+    DEFAULT_RESULTS_DIR,
+    DEFAULT_STORAGE,
+    DTYPES,
+    SPEC_OPTIMIZERS,
+)
 from harness.metrics import METRICS
-from harness.trial.config import TrialConfig
+from harness.spec.errors import FieldProblem, did_you_mean, require_known
 from harness.units import parse_bytes, parse_seconds
 from harness.workloads import DATASETS, FAMILIES, Family, is_user_family, resolve_knobs
 
-DTYPES = ("fp32", "bf16", "fp16")
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-class SpecError(Exception):
-    """A spec problem, already formatted as one line: ``file: field.path: what is wrong``."""
-
-
-class FieldProblem(ValueError):
-    """A validator's complaint about a place *inside* the field it validates."""
-
-    def __init__(self, subpath: list[str | int], message: str) -> None:
-        super().__init__(message)
-        self.subpath = subpath
-        self.message = message
-
-
-def did_you_mean(word: str, options: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def require_known(kind: str, name: str, options: typing.Iterable[str], also: str = "") -> str:
-    """``name`` if it is one of ``options``; else a ValueError listing them, with a suggestion."""
-    options = list(options)
-    if name in options:
-        return name
-    allowed = ", ".join(options) + (f", {also}" if also else "")
-    raise ValueError(f"unknown {kind} {name!r} (allowed: {allowed}){did_you_mean(name, options)}")
 
 
 class Strict(BaseModel):
@@ -196,7 +172,7 @@ def _no_duplicates(values: list[Any]) -> list[Any]:
 
 class GridSpec(Strict):
     batch_size: Annotated[list[PositiveInt], AfterValidator(_no_duplicates)] = Field(min_length=1)
-    dtype: Annotated[list[Literal["fp32", "bf16", "fp16"]], AfterValidator(_no_duplicates)] = Field(
+    dtype: Annotated[list[Literal[DTYPES]], AfterValidator(_no_duplicates)] = Field(
         ["fp32"], min_length=1
     )
     strategy: Annotated[
@@ -205,7 +181,7 @@ class GridSpec(Strict):
 
 
 class OptimizerSpec(Strict):
-    name: Literal["adam", "adamw", "sgd"] = "adam"
+    name: Literal[SPEC_OPTIMIZERS] = "adam"
     lr: PositiveFloat = 1e-3
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.0, ge=0, lt=1)
@@ -258,13 +234,6 @@ class ObjectiveSpec(Strict):
         return require_known("metric", metric, METRICS)
 
 
-DEFAULT_OBJECTIVES = [
-    ObjectiveSpec(metric="peak_allocated_bytes", direction="minimize"),
-    ObjectiveSpec(metric="throughput", direction="maximize"),
-    ObjectiveSpec(metric="accuracy", direction="maximize"),
-]
-
-
 class SearchSpec(Strict):
     """``grid`` runs every point; ``optuna`` lets a multi-objective sampler pick ``n_trials`` of
     them (the grid's axes are its search space), learning from each result."""
@@ -272,7 +241,9 @@ class SearchSpec(Strict):
     method: Literal["grid", "optuna"] = "grid"
     sampler: Literal["tpe", "nsga2", "nsga3", "random"] = "tpe"
     n_trials: int | None = Field(None, ge=1)
-    objectives: list[ObjectiveSpec] = Field(DEFAULT_OBJECTIVES, min_length=1)
+    objectives: list[ObjectiveSpec] = Field(
+        [ObjectiveSpec(metric=m, direction=d) for m, d in DEFAULT_OBJECTIVES], min_length=1
+    )
 
     @model_validator(mode="after")
     def optuna_settings(self) -> SearchSpec:
@@ -306,10 +277,10 @@ class LimitsSpec(Strict):
 
 
 class TrackingSpec(Strict):
-    mlflow_uri: str = "sqlite:///results/mlflow.db"
-    storage: str = "sqlite:///results/optuna.db"
+    mlflow_uri: str = DEFAULT_MLFLOW_URI
+    storage: str = DEFAULT_STORAGE
     experiment: str | None = None
-    results_dir: str = "results"
+    results_dir: str = DEFAULT_RESULTS_DIR
 
 
 class Spec(Strict):
@@ -383,57 +354,10 @@ class Spec(Strict):
     def experiment(self) -> str:
         return self.tracking.experiment or self.name
 
-    # ---- expansion ----------------------------------------------------------------------------
-
     def axes(self) -> dict[str, list[Any]]:
-        """The grid's axes in order; the trial set is their product."""
-        return {
-            "model_size": list(self.model.sizes),
-            "batch_size": list(self.grid.batch_size),
-            "dtype": list(self.grid.dtype),
-            "strategy": list(self.grid.strategy),
-        }
-
-    def trial_config(self, point: dict[str, Any]) -> TrialConfig:
-        """The trial at one grid point (``point`` maps each axis name to a value)."""
-        size = point["model_size"]
-        spec_dir = str(Path(self._source).resolve().parent) if self._source else str(Path.cwd())
-        return TrialConfig(
-            experiment=self.experiment,
-            model_family=self.model.family,
-            model_size=size,
-            model_knobs=dict(self.model.sizes[size]),
-            dataset=self.data.dataset,
-            data_options=self.data.options(),
-            batch_size=int(point["batch_size"]),
-            dtype=point["dtype"],
-            strategy=point["strategy"].split("+"),
-            optimizer=self.train.optimizer.model_dump(),
-            budget=self.train.budget.as_dict(),
-            seed=self.train.seed,
-            warmup_steps=self.measure.warmup_steps,
-            memory_steps=self.measure.memory_steps,
-            timed_steps=self.measure.timed_steps,
-            device=self.device,
-            device_memory_bytes=self.device_memory,
-            python_path=[spec_dir, str(Path.cwd())],
-            run_infeasible=self.limits.run_infeasible,
-            timeline=self.measure.timeline,
-        )
-
-    def points(self) -> list[dict[str, Any]]:
-        axes = self.axes()
-        return [
-            dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())
-        ]
-
-    def trials(self) -> list[TrialConfig]:
-        return [self.trial_config(point) for point in self.points()]
-
-    def grid_hash(self) -> str:
-        """Identifies the set of trials: the same spec resumes its sweep, a changed grid starts anew."""
-        keys = sorted(config.trial_key for config in self.trials())
-        return hashlib.sha256("\n".join(keys).encode()).hexdigest()[:10]
+        """The grid's axes in order (``harness.contract.AXES``); the trials are their product."""
+        values = (self.model.sizes, self.grid.batch_size, self.grid.dtype, self.grid.strategy)
+        return {axis: list(value) for axis, value in zip(AXES, values, strict=True)}
 
 
 def local_device() -> str:
@@ -441,125 +365,3 @@ def local_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-# ---- loading with one-line errors ----------------------------------------------------------
-
-FRIENDLY = {
-    "missing": "required key is missing",
-    "too_short": "must list at least one value",
-    "greater_than": "must be greater than {gt}",
-    "greater_than_equal": "must be at least {ge}",
-    "less_than": "must be less than {lt}",
-    "less_than_equal": "must be at most {le}",
-    "int_type": "must be an integer",
-    "int_parsing": "must be an integer",
-    "int_from_float": "must be an integer",
-    "float_type": "must be a number",
-    "float_parsing": "must be a number",
-    "bool_type": "must be true or false",
-    "bool_parsing": "must be true or false",
-    "string_type": "must be a string",
-    "list_type": "must be a list",
-    "dict_type": "must be a mapping of keys to values",
-    "model_type": "must be a mapping of keys to values",
-    "model_attributes_type": "must be a mapping of keys to values",
-}
-
-
-def _dotted(loc: typing.Sequence[str | int]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "(top level)"
-
-
-def _model_at(loc: typing.Sequence[str | int]) -> type[BaseModel] | None:
-    """The pydantic model that owns the mapping at ``loc`` (to list its allowed keys)."""
-    annotation: Any = Spec
-    for part in loc:
-        model = _find_model(annotation)
-        if model is not None and isinstance(part, str) and part in model.model_fields:
-            annotation = model.model_fields[part].annotation
-        elif model is None:
-            annotation = _inner(annotation)
-    return _find_model(annotation)
-
-
-def _inner(annotation: Any) -> Any:
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[-1] if args else annotation
-
-
-def _find_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found = _find_model(arg)
-            if found is not None:
-                return found
-    return None
-
-
-def format_error(source: str, error: dict[str, Any]) -> str:
-    loc = list(error["loc"])
-    kind = error["type"]
-    problem = (error.get("ctx") or {}).get("error")
-    if isinstance(problem, FieldProblem):
-        loc += problem.subpath
-        message = problem.message
-    elif kind == "extra_forbidden":
-        key = str(loc[-1])
-        model = _model_at(loc[:-1])
-        allowed = list(model.model_fields) if model else []
-        hint = f" (allowed: {', '.join(allowed)}){did_you_mean(key, allowed)}" if allowed else ""
-        return f"{source}: {_dotted(loc)}: unknown key{hint}"
-    elif kind in FRIENDLY:
-        message = FRIENDLY[kind].format(**(error.get("ctx") or {}))
-    else:
-        message = error["msg"].removeprefix("Value error, ")
-        if kind == "literal_error":
-            expected_text = str((error.get("ctx") or {}).get("expected", ""))
-            message = f"must be one of {expected_text}"
-            if isinstance(error.get("input"), str):
-                message += did_you_mean(error["input"], re.findall(r"'([^']*)'", expected_text))
-    value = error.get("input")
-    # Echo the bad value unless it is a whole section or a list the message already names.
-    echo = not isinstance(value, dict) and not (isinstance(value, list) and value)
-    if kind != "missing" and echo and repr(value) not in message:
-        message += f" (got {value!r})"
-    return f"{source}: {_dotted(loc)}: {message}"
-
-
-def parse_spec(data: Any, source: str = "<spec>") -> Spec:
-    """Validate an already-parsed YAML document; raise ``SpecError`` with one line per problem."""
-    if not isinstance(data, dict):
-        raise SpecError(
-            f"{source}: the spec must be a YAML mapping of keys (name, model, grid, ...)"
-        )
-    try:
-        spec = Spec.model_validate(data)
-    except ValidationError as error:
-        raise SpecError("\n".join(format_error(source, e) for e in error.errors())) from None
-    spec._source = source
-    return spec
-
-
-def load_spec(path: str | Path) -> Spec:
-    path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"{path}: no such spec file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise SpecError(f"{where}: invalid YAML: {problem}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise SpecError(f"{path}: cannot read: {error}") from None
-    if data is None:
-        raise SpecError(f"{path}: the spec is empty")
-    return parse_spec(data, str(path))

@@ -23,11 +23,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from harness import coordination, preflight, search
-from harness.launch import RETRYABLE, describe, launch_trial, start_warm_starter
-from harness.spec import Spec
-from harness.tracking import Tracker
-from harness.trial.config import TIMELINE_FILE, TIMELINE_PNG
+from harness.record.stores import redact
+from harness.record.tracking import Tracker
+from harness.spec import Spec, grid_hash, points
+from harness.sweep import claim, plan, preflight
+from harness.sweep.launch import launch_trial, start_warm_starter
+from harness.trial.config import TIMELINE_FILE, TIMELINE_PNG, TrialConfig
+from harness.trial.result import RETRYABLE, TrialResult
+from harness.units import format_bytes
 
 
 @dataclass
@@ -42,12 +45,28 @@ def trial_label(point: dict[str, Any]) -> str:
     return f"{point['model_size']} bs={point['batch_size']} {point['dtype']} {point['strategy']}"
 
 
+def describe(result: TrialResult) -> str:
+    """A short human summary of a result for progress lines."""
+    metrics = result.metrics
+    parts = [result.status.value]
+    if "peak_allocated_bytes" in metrics:
+        parts.append(f"peak {format_bytes(metrics['peak_allocated_bytes'])}")
+    if "throughput" in metrics:
+        unit = result.info.get("throughput_unit", "samples/s")
+        parts.append(f"{metrics['throughput']:,.0f} {unit}")
+    if "accuracy" in metrics:
+        parts.append(f"acc {metrics['accuracy']:.3f}")
+    if result.failure_reason:
+        parts.append(f"({result.failure_reason})")
+    return "  ".join(parts)
+
+
 def sweep_params(spec: Spec) -> dict[str, str]:
     axes = spec.axes()
     return {
         "model": spec.model.family,
         "dataset": spec.data.dataset,
-        "n_trials": str(len(spec.points())),
+        "n_trials": str(len(points(spec))),
         **{f"axis_{name}": ",".join(map(str, values)) for name, values in axes.items()},
         "budget": ",".join(f"{k}={v}" for k, v in spec.train.budget.as_dict().items()),
         "device": spec.device,
@@ -85,8 +104,8 @@ def prepare(
     if runs_trials:
         start_warm_starter()
     results_dir = Path(spec.tracking.results_dir)
-    study = search.open_study(spec, fresh=fresh)
-    interrupted = coordination.fail_stale_trials(study)
+    study = plan.open_study(spec, fresh=fresh)
+    interrupted = claim.fail_stale_trials(study)
     tracker = Tracker(
         spec.tracking.mlflow_uri, spec.experiment, results_dir / "mlartifacts" / spec.experiment
     )
@@ -96,7 +115,7 @@ def prepare(
         name=f"sweep {spec.experiment}",
         tags={
             "spec_name": spec.name,
-            "grid_hash": spec.grid_hash(),
+            "grid_hash": grid_hash(spec),
             "study_name": study.study_name,
         },
         params=sweep_params(spec),
@@ -117,14 +136,9 @@ def prepare(
 
 
 def run_sweep(
-    spec: Spec,
-    console: Console,
-    fresh: bool = False,
-    more_trials: int | None = None,
-    workers: int = 1,
+    spec: Spec, console: Console, fresh: bool = False, more_trials: int | None = None
 ) -> SweepOutcome:
-    if workers > 1:
-        return run_with_workers(spec, console, fresh, more_trials, workers)
+    """The whole sweep in this process (``--workers N``: ``harness.sweep.workers``)."""
     state = prepare(spec, fresh=fresh)
     return work(state, console, more_trials)
 
@@ -135,12 +149,12 @@ def work(
     """Run trials of the sweep until none is left for this worker; record each at once.
 
     Ends when every point is taken and no other worker is still running one; while others
-    run, it waits and takes over the points of any that die (``coordination``).
+    run, it waits and takes over the points of any that die (``harness.sweep.claim``).
     """
     spec, study, tracker, parent = state.spec, state.study, state.tracker, state.parent
     experiment_dir = Path(spec.tracking.results_dir) / spec.experiment
     recorded = set(tracker.recorded_trials(parent))
-    to_run = search.trials_to_run(spec, len(recorded), more_trials)
+    to_run = plan.trials_to_run(spec, len(recorded), more_trials)
     total = len(recorded) + to_run
     outcome = SweepOutcome(spec.experiment, parent, total, len(recorded))
     interrupted = state.interrupted
@@ -152,7 +166,7 @@ def work(
     if not to_run:
         hint = (
             "Use --fresh to start a new sweep of this spec."
-            if spec.search.method == "grid" or len(recorded) >= len(spec.points())
+            if spec.search.method == "grid" or len(recorded) >= len(points(spec))
             else "Use --n-trials N to run N more, or --fresh to start a new sweep."
         )
         console.print(f"Nothing left to run. {hint}")
@@ -162,12 +176,12 @@ def work(
     searched = (
         ""
         if spec.search.method == "grid"
-        else f", chosen by Optuna's {spec.search.sampler} sampler from {len(spec.points())} points"
+        else f", chosen by Optuna's {spec.search.sampler} sampler from {len(points(spec))} points"
     )
     console.print(
         f"Sweep [bold]{spec.experiment}[/]: {to_run} trial(s) to run{searched}, each in its own "
         f"process (timeout {spec.limits.trial_timeout:g}s). "
-        f"MLflow: {coordination.redact(spec.tracking.mlflow_uri)}",
+        f"MLflow: {redact(spec.tracking.mlflow_uri)}",
         soft_wrap=True,
     )
     progress = Progress(
@@ -184,81 +198,39 @@ def work(
             task = progress.add_task("starting", total=total, completed=outcome.already_recorded)
             index = len(recorded)
             while True:
-                plan = search.SearchPlan(study, spec, recorded, total, shuffle)
-                for trial, point, config in plan:
+                proposals = plan.SearchPlan(study, spec, recorded, total, shuffle)
+                for trial, point, config in proposals:
                     index += 1
                     label = trial_label(point)
                     progress.update(task, description=f"trial {index}/{total}: {label}")
                     started_ms = int(time.time() * 1000)
                     workdir = experiment_dir / "trials" / config.trial_key
-                    with coordination.heartbeat(trial):
+                    with claim.heartbeat(trial):
                         result = run_with_retries(spec, config, workdir)
                     problem = draw_timeline(workdir, label)
                     if problem:
                         progress.console.print(f"[yellow]{problem}[/]", soft_wrap=True)
                     run_id = tracker.log_trial(parent, config, result, workdir, started_ms, label)
-                    search.tell(study, trial, spec, result, run_id)
+                    plan.tell(study, trial, spec, result, run_id)
                     progress.console.print(
                         f"[{index}/{total}] {label:<28} {describe(result)}  "
-                        f"[{result.get('wall_time_s', 0):.1f}s]",
+                        f"[{result.wall_time_s or 0:.1f}s]",
                         soft_wrap=True,
                         markup=False,
                         highlight=False,
                     )
-                    progress.update(task, completed=min(total, len(search.active_keys(study))))
-                if not search.held_by_others(study):
+                    progress.update(task, completed=min(total, len(plan.active_keys(study))))
+                if not plan.held_by_others(study):
                     break
                 # Others are still running points of this sweep: wait, and take over any
                 # whose worker died.
-                time.sleep(coordination.HEARTBEAT_S)
-                coordination.fail_stale_trials(study)
+                time.sleep(claim.HEARTBEAT_S)
+                claim.fail_stale_trials(study)
     except KeyboardInterrupt:
         tracker.close_sweep(parent, {}, status="KILLED")
         raise
     tracker.close_sweep(parent, status_counts(tracker.recorded_trials(parent)))
     return outcome
-
-
-def run_with_workers(
-    spec: Spec, console: Console, fresh: bool, more_trials: int | None, workers: int
-) -> SweepOutcome:
-    """``--workers N``: prepare the sweep here, then N ``harness worker`` processes share it."""
-    import os
-    import subprocess
-    import sys
-
-    storage = coordination.shared_storage(spec.tracking.storage)
-    if storage != spec.tracking.storage:
-        console.print(
-            f"{workers} workers share the study through {coordination.redact(storage)} "
-            "(SQLite is not safe for concurrent writers)."
-        )
-        spec = with_tracking(spec, storage=storage)
-    warn_about_cpu_sharing(console, spec)
-    state = prepare(spec, fresh=fresh, runs_trials=False)
-    source = spec._source or ""
-    command = [
-        sys.executable, "-m", "harness", "worker", source,
-        "--storage", spec.tracking.storage, "--tracking-uri", spec.tracking.mlflow_uri,
-    ]  # fmt: skip
-    processes = []
-    for index in range(workers):
-        env = dict(os.environ)
-        gpu = gpu_for_worker(index)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        processes.append(subprocess.Popen(command, env=env))
-    try:
-        codes = [process.wait() for process in processes]
-    except KeyboardInterrupt:
-        for process in processes:
-            process.terminate()
-        raise
-    if any(codes):
-        console.print(f"[red]worker exit codes: {codes}[/]")
-    recorded = state.tracker.recorded_trials(state.parent)
-    state.tracker.close_sweep(state.parent, status_counts(recorded))
-    return SweepOutcome(spec.experiment, state.parent, len(spec.points()), len(recorded))
 
 
 def draw_timeline(workdir: Path, label: str) -> str | None:
@@ -268,35 +240,13 @@ def draw_timeline(workdir: Path, label: str) -> str | None:
     if not source.exists():
         return None
     try:
-        from harness import plots
+        from harness.analyse import timelines
 
         data = json.loads(source.read_text())
-        plots.timeline_png([(label, data)], workdir / TIMELINE_PNG, f"memory timeline: {label}")
+        timelines.timeline_png([(label, data)], workdir / TIMELINE_PNG, f"memory timeline: {label}")
     except Exception as error:  # a damaged file or a plotting failure: report, go on
         return f"memory timeline of {label} not drawn: {type(error).__name__}: {error}"
     return None
-
-
-def gpu_count() -> int:
-    """GPUs this host has (torch is imported here only for this, never to run a trial)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def gpu_for_worker(index: int) -> str | None:
-    """One GPU per worker on a multi-GPU host (round robin); None on a CPU-only machine."""
-    count = gpu_count()
-    return str(index % count) if count > 1 else None
-
-
-def warn_about_cpu_sharing(console: Console, spec: Spec) -> None:
-    if spec.device in ("cpu",) or not gpu_count():
-        console.print(
-            "[yellow]warning:[/] parallel trials on one CPU share its cores: memory figures "
-            "are unaffected, but throughput and step times are distorted. Compare throughput "
-            "only from sweeps run with one worker."
-        )
 
 
 def with_tracking(spec: Spec, **changes: str | None) -> Spec:
@@ -315,11 +265,11 @@ def status_counts(recorded: dict[str, str]) -> dict[str, float]:
     return {f"trials_{status}": float(n) for status, n in counts.items()}
 
 
-def run_with_retries(spec: Spec, config: Any, workdir: Path) -> dict[str, Any]:
+def run_with_retries(spec: Spec, config: TrialConfig, workdir: Path) -> TrialResult:
     """Launch the trial; re-launch a crash or timeout up to ``limits.retries`` times."""
     for attempt in range(spec.limits.retries + 1):
         result = launch_trial(config, workdir, spec.limits.trial_timeout)
-        result["attempts"] = attempt + 1
-        if result["status"] not in RETRYABLE:
+        result.attempts = attempt + 1
+        if result.status not in RETRYABLE:
             break
     return result

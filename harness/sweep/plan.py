@@ -18,20 +18,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from harness import coordination
-from harness.spec import Spec, SpecError
-from harness.tracking import prepare_store
+from harness.record.stores import prepare_store, storage_for
+from harness.spec import Spec, SpecError, grid_hash, points, trial_config
+from harness.sweep.claim import claim_point, owner
 from harness.trial.config import TrialConfig
+from harness.trial.result import OVER_BUDGET, TrialResult
 
-# Statuses whose trial still says something about the search space (with fallback values).
-OVER_BUDGET = ("oom", "infeasible")
 # How many times in a row a sampler may propose points already measured before one of the
 # unmeasured points is taken at random instead (small categorical spaces make samplers repeat).
 MAX_REPEATS = 20
 
 
 def study_name(spec: Spec) -> str:
-    base = f"{spec.experiment}-{spec.grid_hash()}"
+    base = f"{spec.experiment}-{grid_hash(spec)}"
     return base if spec.search.method == "grid" else f"{base}-optuna"
 
 
@@ -92,7 +91,7 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     prepare_store(spec.tracking.storage, lambda url: optuna.storages.RDBStorage(url))
-    storage = coordination.storage_for(spec.tracking.storage)
+    storage = storage_for(spec.tracking.storage)
     name = study_name(spec)
     if fresh:
         with contextlib.suppress(KeyError):
@@ -120,14 +119,14 @@ def ask(study: Any, spec: Spec, point: dict[str, Any]) -> tuple[Any, dict[str, A
     return trial, suggest_point(trial, spec)
 
 
-def objective_values(spec: Spec, result: dict[str, Any]) -> list[float] | None:
+def objective_values(spec: Spec, result: TrialResult) -> list[float] | None:
     """The values Optuna is told, or ``None`` when the trial says nothing (crash, timeout).
 
     A trial over the memory budget (``oom``, ``infeasible``) still has a real peak (measured
     or predicted); what it would have delivered is nothing: 0 for every maximised metric.
     """
-    metrics = result.get("metrics", {})
-    over = result["status"] in OVER_BUDGET
+    metrics = result.metrics
+    over = result.status in OVER_BUDGET
     peak = metrics.get("peak_allocated_bytes") or metrics.get("predicted_peak_bytes")
     values = []
     for objective in spec.search.objectives:
@@ -143,23 +142,23 @@ def objective_values(spec: Spec, result: dict[str, Any]) -> list[float] | None:
     return values
 
 
-def memory_constraint(spec: Spec, result: dict[str, Any]) -> float:
+def memory_constraint(spec: Spec, result: TrialResult) -> float:
     """``peak / device_memory - 1``: feasible when <= 0. Over budget is always > 0."""
-    metrics = result.get("metrics", {})
+    metrics = result.metrics
     peak = metrics.get("peak_allocated_bytes") or metrics.get("predicted_peak_bytes")
-    over = result["status"] in OVER_BUDGET
+    over = result.status in OVER_BUDGET
     if spec.device_memory and peak:
         violation = peak / spec.device_memory - 1.0
         return max(violation, 1e-9) if over else violation
     return 1.0 if over else 0.0
 
 
-def tell(study: Any, trial: Any, spec: Spec, result: dict[str, Any], run_id: str) -> None:
+def tell(study: Any, trial: Any, spec: Spec, result: TrialResult, run_id: str) -> None:
     """Report the trial: its values and memory constraint, or FAIL when it has no values."""
     from optuna.trial import TrialState
 
-    # (trial_key is already on the trial: coordination.claim named it; each write is a commit)
-    trial.set_user_attr("status", result["status"])
+    # (trial_key is already on the trial: claim_point named it; each write is a commit)
+    trial.set_user_attr("status", result.status.value)
     trial.set_user_attr("mlflow_run_id", run_id)
     values = objective_values(spec, result)
     if values is None:
@@ -172,7 +171,7 @@ def tell(study: Any, trial: Any, spec: Spec, result: dict[str, Any], run_id: str
 def trials_to_run(spec: Spec, recorded: int, more: int | None) -> int:
     """Grid: every unrecorded point. Optuna: up to ``search.n_trials`` recorded in all, or
     ``more`` beyond what is recorded (``--n-trials``), never past the grid's size."""
-    size = len(spec.points())
+    size = len(points(spec))
     if spec.search.method == "grid":
         return size - recorded
     wanted = recorded + more if more is not None else spec.search.n_trials or 0
@@ -201,7 +200,7 @@ def held_by_others(study: Any) -> bool:
     """Whether another live worker is running a point of this sweep right now."""
     from optuna.trial import TrialState
 
-    me = coordination.owner()
+    me = owner()
     return any(
         t.user_attrs.get("owner") not in (None, me)
         and not (t.user_attrs.get("abandoned") or t.user_attrs.get("stale"))
@@ -218,7 +217,7 @@ class SearchPlan:
     already taken is answered with that point's recorded values at once (the sampler learns the
     same from it) and counts for nothing; after ``MAX_REPEATS`` such proposals in a row an
     untaken point is chosen at random. Every point is claimed before it is run
-    (``coordination.claim``), so racing workers never run one twice.
+    (``claim.claim_point``), so racing workers never run one twice.
     """
 
     def __init__(
@@ -228,7 +227,7 @@ class SearchPlan:
         self.recorded = set(recorded)
         self.target = target
         self.random = random.Random(spec.train.seed + len(recorded))
-        self.by_key = {spec.trial_config(point).trial_key: point for point in spec.points()}
+        self.by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
         self.shuffle = shuffle
 
     def taken(self) -> set[str]:
@@ -256,8 +255,8 @@ class SearchPlan:
             if key in taken or key in (taken := self.taken()):
                 continue
             trial, point = ask(self.study, self.spec, self.by_key[key])
-            config = self.spec.trial_config(point)
-            if coordination.claim(self.study, trial, config.trial_key):
+            config = trial_config(self.spec, point)
+            if claim_point(self.study, trial, config.trial_key):
                 yield trial, point, config
 
     def propose(self) -> tuple[Any, dict[str, Any], TrialConfig] | None:
@@ -267,17 +266,17 @@ class SearchPlan:
                 return None
             trial = self.study.ask()
             point = suggest_point(trial, self.spec)
-            config = self.spec.trial_config(point)
+            config = trial_config(self.spec, point)
             if config.trial_key in taken:
                 self.repeat(trial, config.trial_key)
-            elif coordination.claim(self.study, trial, config.trial_key):
+            elif claim_point(self.study, trial, config.trial_key):
                 return trial, point, config
         untaken = [key for key in self.by_key if key not in self.taken()]
         if not untaken:
             return None
         trial, point = ask(self.study, self.spec, self.by_key[self.random.choice(untaken)])
-        config = self.spec.trial_config(point)
-        if not coordination.claim(self.study, trial, config.trial_key):
+        config = trial_config(self.spec, point)
+        if not claim_point(self.study, trial, config.trial_key):
             return self.propose()
         return trial, point, config
 

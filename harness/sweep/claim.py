@@ -14,53 +14,27 @@ opens the same Optuna study and takes grid points one at a time:
   heartbeat is older than ``STALE_AFTER_S``, is failed (marked ``stale``) and its point is
   free again.
 
-Storage: ``sqlite:///...`` (one process at a time is safest), ``journal:PATH`` (Optuna's
-journal file: many processes on one machine) or ``postgresql://...`` (many machines).
+Storage (``harness.record.stores``): ``sqlite:///...`` (one process at a time is safest),
+``journal:PATH`` (Optuna's journal file: many processes on one machine) or
+``postgresql://...`` (many machines).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 HEARTBEAT_S = 5.0
 STALE_AFTER_S = 60.0
-JOURNAL_PREFIX = "journal:"
 
 
 def owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def storage_for(url: str) -> Any:
-    """What Optuna is given for ``tracking.storage``: a URL, or a journal-file storage."""
-    if not url.startswith(JOURNAL_PREFIX):
-        return url
-    import optuna
-    from optuna.storages.journal import JournalFileBackend
-
-    path = Path(url.removeprefix(JOURNAL_PREFIX).removeprefix("//"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
-
-
-def shared_storage(url: str) -> str:
-    """A storage several local processes may write: SQLite becomes a journal file beside it."""
-    if url.startswith("sqlite:///"):
-        return JOURNAL_PREFIX + str(Path(url.removeprefix("sqlite:///")).with_suffix(".journal"))
-    return url
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for printing (``postgresql://me:***@host/db``)."""
-    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
 
 
 def _alive(pid: int) -> bool:
@@ -123,7 +97,7 @@ def taken(study: Any, trial: Any, key: str) -> bool:
     return False
 
 
-def claim(study: Any, trial: Any, key: str) -> bool:
+def claim_point(study: Any, trial: Any, key: str) -> bool:
     """Name the point on the trial, then keep it only if nobody else has it."""
     from optuna.trial import TrialState
 

@@ -1,0 +1,22 @@
+"""The ``harness`` command: one group, the commands of each step of the data flow."""
+
+from __future__ import annotations
+
+import click
+
+from harness.cli.common import SpecAwareGroup
+from harness.cli.decide import pareto, recommend, report, timeline
+from harness.cli.plan import estimate, validate
+from harness.cli.results import results
+from harness.cli.run import sweep, worker
+
+
+@click.group(cls=SpecAwareGroup)
+@click.version_option(package_name="harness")
+def main() -> None:
+    """Measure the memory / speed / accuracy trade-offs of training PyTorch models."""
+
+
+# In the order of the data flow: look at a spec, run it, read it, decide from it.
+for command in (validate, estimate, sweep, worker, results, pareto, recommend, report, timeline):
+    main.add_command(command)

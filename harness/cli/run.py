@@ -1,0 +1,162 @@
+"""``harness sweep`` and ``harness worker``: run a spec's trials and record them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from harness.cli.common import make_console
+from harness.contract import AXES
+from harness.spec import SpecError, load_spec, points, trial_config
+from harness.units import format_bytes
+
+
+@click.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Start a new sweep even if this spec already ran (earlier runs stay in MLflow).",
+)
+@click.option("--dry-run", is_flag=True, help="List the planned trials and exit.")
+@click.option(
+    "--n-trials",
+    type=click.IntRange(min=1),
+    default=None,
+    help="search.method optuna only: run this many trials more than are recorded already.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run N trials at once in N worker processes sharing the study (one per GPU on a "
+    "multi-GPU host; on a CPU they distort throughput).",
+)
+def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None, workers: int) -> None:
+    """Run the trials of SPEC (each in its own process) and record them in MLflow.
+
+    Grid: every point. Optuna: search.n_trials points chosen by the sampler. Running the same
+    SPEC again resumes: recorded trials are kept and never re-run.
+    """
+    spec = load_spec(spec_path)
+    if n_trials is not None and spec.search.method != "optuna":
+        raise SpecError(
+            f"{spec_path}: --n-trials needs search.method: optuna (this spec is a grid that "
+            "runs all its points)"
+        )
+    if n_trials is not None and workers > 1:
+        raise SpecError(
+            f"{spec_path}: --n-trials and --workers: add the extra trials in one worker"
+        )
+    console = make_console()
+    if dry_run:
+        if spec.search.method == "optuna":
+            console.print(
+                f"search space: Optuna's {spec.search.sampler} sampler picks "
+                f"{spec.search.n_trials} of these {len(points(spec))} points"
+            )
+        for index, point in enumerate(points(spec), start=1):
+            console.print(f"{index:>4}  {trial_config(spec, point).trial_key}  {point}")
+        return
+    try:
+        if workers > 1:
+            from harness.sweep.workers import run_with_workers
+
+            outcome = run_with_workers(spec, console, fresh, workers)
+        else:
+            from harness.sweep.run import run_sweep
+
+            outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials)
+    except KeyboardInterrupt:
+        console.print(
+            "\nInterrupted. Finished trials are recorded; run the same command to resume."
+        )
+        sys.exit(130)
+    print_summary(console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id)
+
+
+@click.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--storage",
+    default=None,
+    help="Optuna storage shared by all workers (postgresql://..., journal:PATH); "
+    "default: the spec's tracking.storage.",
+)
+@click.option(
+    "--tracking-uri",
+    default=None,
+    help="MLflow tracking URI shared by all workers (e.g. http://host:5000); "
+    "default: the spec's tracking.mlflow_uri.",
+)
+def worker(spec_path: Path, storage: str | None, tracking_uri: str | None) -> None:
+    """Join SPEC's sweep from this process (any host) and run trials until none is left.
+
+    Start one per GPU host (e.g. from a SLURM array) against the same PostgreSQL storage and
+    MLflow tracking server; every grid point runs exactly once, on whichever worker claims it.
+    """
+    from harness.sweep.run import prepare, with_tracking, work
+
+    spec = with_tracking(load_spec(spec_path), storage=storage, mlflow_uri=tracking_uri)
+    console = make_console()
+    try:
+        state = prepare(spec, worker=True)
+        work(state, console, shuffle=True)
+    except KeyboardInterrupt:
+        console.print(
+            "\nInterrupted. Finished trials are recorded; start the worker again to go on."
+        )
+        sys.exit(130)
+
+
+def print_summary(console: Console, experiment: str, tracking_uri: str, parent_run_id: str) -> None:
+    from harness.record.results import load
+
+    frame = load(experiment, tracking_uri, sweep=parent_run_id)
+    counts = frame["status"].value_counts().to_dict()
+    console.print(
+        f"\n[bold]{len(frame)} trials[/]: "
+        + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    )
+    ok = frame[frame["status"] == "ok"]
+    if not ok.empty:
+        table = Table(title="Best configurations (ok trials)")
+        unit = ok["throughput_unit"].dropna().iloc[0] if ok["throughput_unit"].notna().any() else ""
+        for column in (
+            "best for",
+            "size",
+            "batch",
+            "dtype",
+            "strategy",
+            "peak alloc",
+            unit or "throughput",
+            "acc",
+        ):
+            table.add_column(column, no_wrap=True)
+        picks = [
+            ("least memory", ok.nsmallest(2, "peak_allocated_bytes")),
+            ("most throughput", ok.nlargest(2, "throughput")),
+            ("best accuracy", ok.nlargest(2, "accuracy")),
+        ]
+        for label, rows in picks:
+            for _, row in rows.iterrows():
+                table.add_row(
+                    label,
+                    *(str(row[c]) for c in AXES),
+                    format_bytes(row["peak_allocated_bytes"]),
+                    f"{row['throughput']:,.0f}",
+                    f"{row['accuracy']:.3f}",
+                )
+                label = ""
+        console.print(table)
+    console.print(
+        "Next: [bold]make ui[/] (MLflow UI on http://127.0.0.1:5000), "
+        f"[bold]harness results --experiment {experiment}[/] (the table), "
+        "or harness.results.load() in Python.",
+        soft_wrap=True,
+    )

@@ -1,0 +1,43 @@
+"""The vocabulary both layers share besides metric names and units: the grid's axes, dtypes,
+optimizers, default objectives and default stores. Standard library only.
+
+Each name lives here once. The spec validates against these tuples, the trial maps them to
+torch objects, the results table and the analysis use the same words, so a new dtype or
+optimizer is one edit here plus its implementation.
+"""
+
+from __future__ import annotations
+
+# The grid's axes in order: a trial is one value of each (also the config columns of a table).
+AXES = ("model_size", "batch_size", "dtype", "strategy")
+
+# The dtype axis: autocast mixed precision (fp16 adds a GradScaler).
+DTYPES = ("fp32", "bf16", "fp16")
+
+# Optimizers the trial builds; a spec's train.optimizer names one of SPEC_OPTIMIZERS, the
+# others come in through optimizer strategies.
+OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor", "adam8bit")
+SPEC_OPTIMIZERS = ("adam", "adamw", "sgd")
+# Persistent optimizer state per parameter in fp32, the textbook cross-check of a prediction
+# (sgd_momentum is sgd with a momentum buffer).
+OPTIMIZER_STATE_BYTES = {
+    "adam": 8,
+    "adamw": 8,
+    "sgd": 0,
+    "sgd_momentum": 4,
+    "adafactor": 0,
+    "adam8bit": 2,
+}
+
+# (metric, direction) a sweep optimises when its spec names no objectives.
+DEFAULT_OBJECTIVES = (
+    ("peak_allocated_bytes", "minimize"),
+    ("throughput", "maximize"),
+    ("accuracy", "maximize"),
+)
+
+# Where a sweep records when the spec says nothing: files under results/ of the working
+# directory, so `make sweep` works offline on a fresh machine.
+DEFAULT_RESULTS_DIR = "results"
+DEFAULT_MLFLOW_URI = "sqlite:///results/mlflow.db"
+DEFAULT_STORAGE = "sqlite:///results/optuna.db"

@@ -1,0 +1,91 @@
+"""The stores a sweep writes to: MLflow's tracking store and the Optuna study's storage.
+
+Both default to SQLite files under ``results/``; many processes on one machine share a journal
+file (``journal:PATH``), many machines a PostgreSQL database and an MLflow server. New SQLite
+stores are built in a temporary file and renamed into place, so a sweep killed while one is
+being created never leaves a half-built database. URLs are printed without their password.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+JOURNAL_PREFIX = "journal:"
+
+
+def quiet_mlflow() -> None:
+    """MLflow logs schema migrations and store creation at INFO; users need none of it. Its
+    usage telemetry (on by default in MLflow 3) is switched off unless the user decided
+    otherwise through ``MLFLOW_DISABLE_TELEMETRY``: a sweep must work offline and not report
+    on its users, and each recorded call pays for it.
+
+    Call before using mlflow: its import configures the "mlflow" logger, which this quietens.
+    """
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per file
+    import mlflow  # noqa: F401  (configures its loggers, which we then quieten)
+
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def prepare_store(uri: str, initialise: Callable[[str], object] | None = None) -> None:
+    """Create a ``sqlite:///path.db`` store's folder and, if the file is new, its tables.
+
+    The tables are built in a temporary file that is then renamed into place, so a sweep killed
+    while a store is being created (schema migrations take seconds) never leaves a half-built
+    database that the next run cannot open. ``initialise(url)`` builds the tables.
+    """
+    parsed = urlparse(uri)
+    if parsed.scheme != "sqlite":
+        return
+    raw = uri.removeprefix("sqlite:///")
+    if not raw or raw == ":memory:":
+        return
+    path = Path(raw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if initialise is None or path.exists():
+        return
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.creating")
+    scratch.unlink(missing_ok=True)
+    initialise(f"sqlite:///{scratch}")
+    if path.exists():  # another process finished first: keep theirs
+        scratch.unlink(missing_ok=True)
+    else:
+        os.replace(scratch, path)
+
+
+def initialise_mlflow_store(url: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=url).search_experiments(max_results=1)
+
+
+def storage_for(url: str) -> Any:
+    """What Optuna is given for ``tracking.storage``: a URL, or a journal-file storage."""
+    if not url.startswith(JOURNAL_PREFIX):
+        return url
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    path = Path(url.removeprefix(JOURNAL_PREFIX).removeprefix("//"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+
+
+def shared_storage(url: str) -> str:
+    """A storage several local processes may write: SQLite becomes a journal file beside it."""
+    if url.startswith("sqlite:///"):
+        return JOURNAL_PREFIX + str(Path(url.removeprefix("sqlite:///")).with_suffix(".journal"))
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for printing (``postgresql://me:***@host/db``)."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)

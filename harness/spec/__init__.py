@@ -1,0 +1,24 @@
+"""The experiment spec: what a user writes (YAML), checked before anything runs, and expanded
+into one ``TrialConfig`` per grid point.
+
+- ``schema``: the pydantic models, one per section, with their defaults and checks;
+- ``errors``: ``SpecError`` and the helpers that make every complaint one line;
+- ``load``: YAML file -> ``Spec``, pydantic's errors turned into those lines;
+- ``grid``: points, trial configs and the grid hash.
+"""
+
+from harness.spec.errors import SpecError
+from harness.spec.grid import grid_hash, points, trial_config, trial_configs
+from harness.spec.load import load_spec, parse_spec
+from harness.spec.schema import Spec
+
+__all__ = [
+    "Spec",
+    "SpecError",
+    "grid_hash",
+    "load_spec",
+    "parse_spec",
+    "points",
+    "trial_config",
+    "trial_configs",
+]

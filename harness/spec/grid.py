@@ -1,0 +1,56 @@
+"""A spec's grid as trials: the points (one value per axis), each point's ``TrialConfig``, and
+the hash that says whether a spec still describes the same sweep."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from pathlib import Path
+from typing import Any
+
+from harness.spec.schema import Spec
+from harness.trial.config import TrialConfig
+
+
+def points(spec: Spec) -> list[dict[str, Any]]:
+    """Every grid point in grid order, each mapping axis name to value."""
+    axes = spec.axes()
+    return [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+
+
+def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
+    """The trial at one grid point."""
+    size = point["model_size"]
+    spec_dir = str(Path(spec._source).resolve().parent) if spec._source else str(Path.cwd())
+    return TrialConfig(
+        experiment=spec.experiment,
+        model_family=spec.model.family,
+        model_size=size,
+        model_knobs=dict(spec.model.sizes[size]),
+        dataset=spec.data.dataset,
+        data_options=spec.data.options(),
+        batch_size=int(point["batch_size"]),
+        dtype=point["dtype"],
+        strategy=point["strategy"].split("+"),
+        optimizer=spec.train.optimizer.model_dump(),
+        budget=spec.train.budget.as_dict(),
+        seed=spec.train.seed,
+        warmup_steps=spec.measure.warmup_steps,
+        memory_steps=spec.measure.memory_steps,
+        timed_steps=spec.measure.timed_steps,
+        device=spec.device,
+        device_memory_bytes=spec.device_memory,
+        python_path=[spec_dir, str(Path.cwd())],
+        run_infeasible=spec.limits.run_infeasible,
+        timeline=spec.measure.timeline,
+    )
+
+
+def trial_configs(spec: Spec) -> list[TrialConfig]:
+    return [trial_config(spec, point) for point in points(spec)]
+
+
+def grid_hash(spec: Spec) -> str:
+    """Identifies the set of trials: the same spec resumes its sweep, a changed grid starts anew."""
+    keys = sorted(config.trial_key for config in trial_configs(spec))
+    return hashlib.sha256("\n".join(keys).encode()).hexdigest()[:10]

@@ -1,0 +1,139 @@
+"""Reading a spec file: YAML, then the pydantic models, every problem as one line.
+
+Pydantic's errors name a location and a type; here they become ``file: field.path: message``
+with what is allowed (the keys a mapping takes, the values a field takes) and a suggestion for
+close misspellings. ``SpecError`` carries the lines; the CLI prints them and exits 2.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from harness.spec.errors import FieldProblem, SpecError, did_you_mean
+from harness.spec.schema import Spec
+
+FRIENDLY = {
+    "missing": "required key is missing",
+    "too_short": "must list at least one value",
+    "greater_than": "must be greater than {gt}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than": "must be less than {lt}",
+    "less_than_equal": "must be at most {le}",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping of keys to values",
+    "model_type": "must be a mapping of keys to values",
+    "model_attributes_type": "must be a mapping of keys to values",
+}
+
+
+def _dotted(loc: typing.Sequence[str | int]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "(top level)"
+
+
+def _model_at(loc: typing.Sequence[str | int]) -> type[BaseModel] | None:
+    """The pydantic model that owns the mapping at ``loc`` (to list its allowed keys)."""
+    annotation: Any = Spec
+    for part in loc:
+        model = _find_model(annotation)
+        if model is not None and isinstance(part, str) and part in model.model_fields:
+            annotation = model.model_fields[part].annotation
+        elif model is None:
+            annotation = _inner(annotation)
+    return _find_model(annotation)
+
+
+def _inner(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[-1] if args else annotation
+
+
+def _find_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _find_model(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def format_error(source: str, error: dict[str, Any]) -> str:
+    loc = list(error["loc"])
+    kind = error["type"]
+    problem = (error.get("ctx") or {}).get("error")
+    if isinstance(problem, FieldProblem):
+        loc += problem.subpath
+        message = problem.message
+    elif kind == "extra_forbidden":
+        key = str(loc[-1])
+        model = _model_at(loc[:-1])
+        allowed = list(model.model_fields) if model else []
+        hint = f" (allowed: {', '.join(allowed)}){did_you_mean(key, allowed)}" if allowed else ""
+        return f"{source}: {_dotted(loc)}: unknown key{hint}"
+    elif kind in FRIENDLY:
+        message = FRIENDLY[kind].format(**(error.get("ctx") or {}))
+    else:
+        message = error["msg"].removeprefix("Value error, ")
+        if kind == "literal_error":
+            expected_text = str((error.get("ctx") or {}).get("expected", ""))
+            message = f"must be one of {expected_text}"
+            if isinstance(error.get("input"), str):
+                message += did_you_mean(error["input"], re.findall(r"'([^']*)'", expected_text))
+    value = error.get("input")
+    # Echo the bad value unless it is a whole section or a list the message already names.
+    echo = not isinstance(value, dict) and not (isinstance(value, list) and value)
+    if kind != "missing" and echo and repr(value) not in message:
+        message += f" (got {value!r})"
+    return f"{source}: {_dotted(loc)}: {message}"
+
+
+def parse_spec(data: Any, source: str = "<spec>") -> Spec:
+    """Validate an already-parsed YAML document; raise ``SpecError`` with one line per problem."""
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{source}: the spec must be a YAML mapping of keys (name, model, grid, ...)"
+        )
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as error:
+        raise SpecError("\n".join(format_error(source, e) for e in error.errors())) from None
+    spec._source = source
+    return spec
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such spec file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise SpecError(f"{where}: invalid YAML: {problem}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecError(f"{path}: cannot read: {error}") from None
+    if data is None:
+        raise SpecError(f"{path}: the spec is empty")
+    return parse_spec(data, str(path))

@@ -1,0 +1,76 @@
+"""``harness estimate``: every grid point's predicted peak and breakdown, nothing run.
+
+The prediction itself is the trial layer's (``python -m harness.trial.estimate``, fake
+tensors, the trial's own code); it runs in a child process so this one never imports model
+code. Its progress lines stream to stderr as it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from harness.spec import Spec, trial_configs
+
+COLUMNS = [
+    "model_size",
+    "batch_size",
+    "dtype",
+    "strategy",
+    "predicted_peak_bytes",
+    "predicted_mem_param_bytes",
+    "predicted_mem_grad_bytes",
+    "predicted_mem_optim_bytes",
+    "predicted_mem_activation_bytes",
+    "predicted_mem_other_bytes",
+    "predicted_model_state_bytes",
+    "closed_form_model_state_bytes",
+    "korthikanti_activation_bytes",
+    "num_params",
+    "fits",
+    "device",
+    "trial_key",
+    "estimate_seconds",
+    "unpredictable",
+    "note",
+]
+
+
+class EstimateError(Exception):
+    """The estimator process failed; the message is its last line."""
+
+
+def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:
+    """One row per grid point, in grid order: the prediction for ``target`` (cpu | cuda),
+    whether it ``fits`` in ``device_memory``, and the closed-form cross-checks."""
+    configs = trial_configs(spec)
+    with tempfile.TemporaryDirectory() as folder:
+        request, answer = Path(folder) / "in.json", Path(folder) / "out.json"
+        request.write_text(
+            json.dumps({"device": target, "configs": [c.to_dict() for c in configs]})
+        )
+        print(f"estimating {len(configs)} trials for {target} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(  # its progress lines go to our stderr, its errors are kept
+            [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
+            stdout=sys.stderr,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        if done.returncode != 0:
+            last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
+            raise EstimateError(f"the estimator failed: {last}")
+        frame = pd.DataFrame(json.loads(answer.read_text()))
+    frame["model_size"] = [c.model_size for c in configs]
+    frame["batch_size"] = [c.batch_size for c in configs]
+    frame["dtype"] = [c.dtype for c in configs]
+    frame["strategy"] = [c.strategy_text for c in configs]
+    frame["device"] = target
+    if spec.device_memory and "predicted_peak_bytes" in frame:
+        predicted = frame["predicted_peak_bytes"]
+        frame["fits"] = (predicted <= spec.device_memory).astype("boolean").where(predicted.notna())
+    return frame.reindex(columns=[c for c in COLUMNS if c in frame.columns])

@@ -1,0 +1,42 @@
+"""Which device a trial runs on, what it is called, and how big a card it pretends to be."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from harness.trial.result import Status, TrialFailure
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA where there is one; asking for CUDA where there is none ends the trial."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrialFailure(Status.CRASH, f"device {name!r} was asked for but CUDA is not available")
+    return device
+
+
+def emulate_card(device: torch.device, budget: int | None) -> None:
+    """Cap this process at the planned card's size, so a too-big trial really OOMs (CUDA only)."""
+    if device.type != "cuda" or budget is None:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget < total:
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model: the ``device_name`` tag."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"

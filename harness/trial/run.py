@@ -1,0 +1,110 @@
+"""One trial, top to bottom: predict, set up, train, and report how it ended.
+
+The estimate and the training loop are two users of the same ``Setup`` (``harness.trial.setup``);
+this module is the one place that runs them in order, so neither imports the other:
+
+1. the strategies' environment (allocator settings) before anything touches CUDA;
+2. the prediction on fake tensors: a trial that cannot fit ends as ``infeasible``;
+3. the device (one per rank under torchrun, which also joins the process group), the card's
+   size emulated, the seed;
+4. the dataset and the ``Setup``; then the training loop's phases and the evaluation.
+
+Every way it can end becomes one ``TrialResult``: ``ok``; ``oom``, ``diverged`` or
+``infeasible`` with what was measured so far. Any other exception propagates: the worker entry
+point records it as ``crash``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from harness.strategies import build_strategies
+from harness.trial.config import TrialConfig
+from harness.trial.device import device_name, emulate_card, resolve_device
+from harness.trial.distributed import Ranks
+from harness.trial.estimate import estimate_peak, host_guard
+from harness.trial.loop import Measurements, TrainingLoop
+from harness.trial.result import Status, TrialFailure, TrialResult
+from harness.trial.setup import build_setup
+from harness.units import format_bytes
+from harness.workloads import load_dataset
+
+
+def run_trial(config: TrialConfig, output_dir: Path | None = None) -> TrialResult:
+    """Run one trial in this process; ``output_dir`` gets its memory timeline, if any."""
+    ranks = Ranks.from_env()
+    measured = Measurements()
+    status, reason = Status.OK, ""
+    try:
+        train(config, ranks, measured, output_dir)
+    except TrialFailure as failure:
+        status, reason = failure.status, failure.reason
+    except torch.OutOfMemoryError as error:
+        status, reason = Status.OOM, first_line(error) or "out of memory"
+    except RuntimeError as error:
+        # The CPU allocator's refusal is an allocation failure like CUDA's, not a crash.
+        if "can't allocate memory" not in str(error):
+            raise
+        status, reason = Status.OOM, first_line(error)[:300]
+    if status is Status.OOM:
+        # The failed step's frames (and the model and optimizer they held) went with the
+        # exception; hand their memory back before the result is gathered.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return measured.result(config.trial_key, status, reason, ranks)
+
+
+def train(
+    config: TrialConfig, ranks: Ranks, measured: Measurements, output_dir: Path | None
+) -> None:
+    for strategy in build_strategies(config.strategy):
+        os.environ.update(strategy.environment())  # must precede the first CUDA call
+    target = resolve_device(config.device)
+    # Before joining the process group: a multi-rank estimate runs on a fake group of its own.
+    with measured.clock("estimate_time_s"):
+        predict(config, target, measured)
+    device = ranks.start(target)
+    measured.info.update(
+        device=str(device), device_name=device_name(device), torch_threads=torch.get_num_threads()
+    )
+    emulate_card(device, config.device_memory_bytes)
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    with measured.clock("setup_time_s", device):
+        data = load_dataset(config.dataset, config.dataset_options, config.seed)
+        setup = build_setup(config, device, ranks, data.info, data)
+    measured.info.update(setup.info)
+    measured.metrics["num_params"] = float(setup.num_params)
+    TrainingLoop(setup, data, measured, output_dir).run()
+
+
+def predict(config: TrialConfig, device: torch.device, measured: Measurements) -> None:
+    """Predict the peak before training; a trial that cannot fit is not run (``infeasible``)."""
+    prediction = estimate_peak(config, device)
+    if "unpredictable" in prediction:
+        measured.info["prediction"] = prediction["unpredictable"]
+        return
+    peak = prediction["predicted_peak_bytes"]
+    measured.metrics["predicted_peak_bytes"] = peak
+    if config.run_infeasible:
+        return
+    budget = config.device_memory_bytes
+    if budget is not None and peak > budget:
+        raise TrialFailure(
+            Status.INFEASIBLE,
+            f"predicted peak {format_bytes(peak)} exceeds device_memory {format_bytes(budget)}",
+        )
+    reason = host_guard(peak, device)
+    if reason:
+        raise TrialFailure(Status.INFEASIBLE, reason)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
