@@ -50,6 +50,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check harness tests benchmarks
 	$(BIN)/ruff format --check harness tests benchmarks
+	$(BIN)/lint-imports
 
 ui: $(STAMP)
 	@mkdir -p results
