@@ -1,9 +1,10 @@
 """harness: measure the memory / speed / accuracy trade-offs of training PyTorch models.
 
-The package has two layers (see the design notes): the *trial layer* (``harness.trial``,
-``harness.workloads``, ``harness.strategies``, ``harness.meters``) runs one trial with only torch,
-torchvision and the standard library, and the *sweep layer* (``spec``, ``search``, ``launch``,
-``tracking``, ``results``, ``cli``) plans, launches and records trials.
+The code follows the data, one folder per step (docs/architecture.md is the map): ``spec``
+(the YAML contract) -> ``sweep`` (plan, claim, launch) -> ``trial`` (one trial, with
+``workloads``, ``strategies`` and ``meters``) -> ``record`` (MLflow) -> ``analyse`` (fronts,
+plots, report), with ``cli`` on top and ``harness.results`` as the notebook API. The trial
+layer imports only torch, torchvision and the standard library; the sweep layer owns the rest.
 """
 
 __version__ = "0.1.0"
