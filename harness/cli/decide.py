@@ -12,7 +12,6 @@ from typing import Any
 
 import click
 import pandas as pd
-from rich.console import Console
 from rich.table import Table
 
 from harness.analyse.pareto import (
@@ -261,5 +260,5 @@ def timeline(
             label, str(row["trial_key"]), format_bytes(total), format_bytes(activations),
             str(data["ops"]),
         )  # fmt: skip
-    Console().print(table)
+    make_console().print(table)
     click.echo(f"wrote {path}")
