@@ -20,20 +20,17 @@ import torch.nn.functional as F
 
 from harness.meters.timing import synchronize  # torch.cuda.synchronize on CUDA, else nothing
 from harness.trial.config import TrialConfig
-from harness.workloads import build_model, load_dataset, resolve_knobs
-from harness.workloads.tensors import batches
+from harness.workloads import build_workload, load_dataset
+from harness.workloads.tensors import INPUTS, TARGETS, batches
 
 
 def main(config_path: str, out_path: str) -> None:
     config = TrialConfig.from_json(Path(config_path).read_text())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(config.seed)
-    knobs = resolve_knobs(config.model_family, config.model_knobs)
-    options = dict(config.data_options)
-    if "seq_len" in knobs:
-        options.setdefault("seq_len", knobs["seq_len"])
-    data = load_dataset(config.dataset, options, config.seed)
-    model = build_model(config.model_family, knobs, data.info).to(device).train()
+    data = load_dataset(config.dataset, config.dataset_options, config.seed)
+    workload = build_workload(config.model_family, config.knobs, data.info)
+    model = workload.model.to(device).train()
     optimizer = torch.optim.Adam(
         model.parameters(),
         lr=config.optimizer.get("lr", 1e-3),
@@ -46,8 +43,11 @@ def main(config_path: str, out_path: str) -> None:
     steps = warmup + config.timed_steps
     # The very batches a harness trial trains on, each its own tensor, all staged on the device
     # before the loop starts, as the harness stages its timed window.
-    stream = batches(data.train_x, data.train_y, size, config.seed)
-    staged = [tuple(t.to(device) for t in next(stream)) for _ in range(steps)]
+    stream = batches(data.train, size, config.seed)
+    staged = [
+        tuple(batch[name].to(device) for name in (INPUTS, TARGETS))
+        for batch in (next(stream) for _ in range(steps))
+    ]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)

@@ -9,26 +9,30 @@ import numpy as np
 import pytest
 import torch
 
-from harness.workloads import FAMILIES, build_model, load_dataset
+from harness.workloads import FAMILIES, build_workload, load_dataset
 from harness.workloads.cifar10 import FOLDER, TEST_FILE, TRAIN_FILES
 from harness.workloads.tensors import DataInfo, batches
 
 
+def build_model(family, knobs, info):
+    return build_workload(family, knobs, info).model
+
+
 def test_digits_loads_offline_with_a_held_out_split():
     data = load_dataset("digits", {"test_fraction": 0.2}, seed=0)
-    assert len(data.train_x) + len(data.test_x) == 1797
-    assert len(data.test_x) == round(1797 * 0.2)
+    assert len(data.train["x"]) + len(data.test["x"]) == 1797
+    assert len(data.test["x"]) == round(1797 * 0.2)
     assert data.info == DataInfo((1, 8, 8), 10)
-    assert float(data.train_x.min()) >= 0.0 and float(data.train_x.max()) <= 1.0
-    assert set(data.train_y.unique().tolist()) == set(range(10))
+    assert float(data.train["x"].min()) >= 0.0 and float(data.train["x"].max()) <= 1.0
+    assert set(data.train["y"].unique().tolist()) == set(range(10))
 
 
 def test_split_is_seeded():
     a = load_dataset("digits", {}, seed=3)
     b = load_dataset("digits", {}, seed=3)
     c = load_dataset("digits", {}, seed=4)
-    assert torch.equal(a.test_y, b.test_y)
-    assert not torch.equal(a.test_y, c.test_y)
+    assert torch.equal(a.test["y"], b.test["y"])
+    assert not torch.equal(a.test["y"], c.test["y"])
 
 
 def test_synthetic_has_the_asked_shape():
@@ -36,7 +40,7 @@ def test_synthetic_has_the_asked_shape():
         "synthetic", {"shape": [3, 16, 16], "num_classes": 5, "num_samples": 100}, seed=0
     )
     assert data.info == DataInfo((3, 16, 16), 5)
-    assert len(data.train_x) + len(data.test_x) == 100
+    assert len(data.train["x"]) + len(data.test["x"]) == 100
 
 
 def _write_cifar_batch(path: Path, n: int, seed: int) -> tuple[np.ndarray, list[int]]:
@@ -57,14 +61,14 @@ def test_cifar10_reads_the_on_disk_format(tmp_path: Path):
     test_pixels, test_labels = _write_cifar_batch(folder / TEST_FILE, 3, 99)
     data = load_dataset("cifar10", {"data_dir": str(tmp_path), "download": False}, seed=0)
     assert data.info == DataInfo((3, 32, 32), 10)
-    assert len(data.train_x) == 20 and len(data.test_x) == 3
-    assert data.train_y.tolist() == [label for _, labels in written for label in labels]
-    assert data.test_y.tolist() == test_labels
+    assert len(data.train["x"]) == 20 and len(data.test["x"]) == 3
+    assert data.train["y"].tolist() == [label for _, labels in written for label in labels]
+    assert data.test["y"].tolist() == test_labels
     # Pixel layout: row-major 3x32x32 per image, channel first, then normalised per channel.
     raw = torch.as_tensor(test_pixels[1].reshape(3, 32, 32), dtype=torch.float32) / 255
     mean = torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)
     std = torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
-    assert torch.allclose(data.test_x[1], (raw - mean) / std)
+    assert torch.allclose(data.test["x"][1], (raw - mean) / std)
 
 
 def test_cifar10_missing_without_download_says_what_to_do(tmp_path: Path):
@@ -101,8 +105,8 @@ def test_size_knobs_change_the_model():
 def test_batches_cover_each_epoch_without_repeats():
     x = torch.arange(10).float().unsqueeze(1)
     y = torch.arange(10)
-    stream = batches(x, y, batch_size=3, seed=0)
-    epoch = [next(stream)[1] for _ in range(3)]  # 3 full batches; the ragged 1 is dropped
+    stream = batches({"x": x, "y": y}, batch_size=3, seed=0)
+    epoch = [next(stream)["y"] for _ in range(3)]  # 3 full batches; the ragged 1 is dropped
     seen = torch.cat(epoch).tolist()
     assert len(seen) == len(set(seen)) == 9
 
@@ -110,10 +114,10 @@ def test_batches_cover_each_epoch_without_repeats():
 def test_text_is_bytes_of_real_english_with_shifted_targets():
     data = load_dataset("text", {"seq_len": 32, "test_fraction": 0.1}, seed=0)
     assert data.info == DataInfo((32,), 256, 32)
-    assert torch.equal(data.train_x[0, 1:], data.train_y[0, :-1])
-    total = (len(data.train_x) + len(data.test_x)) * 32
+    assert torch.equal(data.train["x"][0, 1:], data.train["y"][0, :-1])
+    total = (len(data.train["x"]) + len(data.test["x"])) * 32
     assert 400_000 < total < 500_000
-    text = bytes(data.train_x[:20].flatten().tolist()).decode("utf-8", errors="replace")
+    text = bytes(data.train["x"][:20].flatten().tolist()).decode("utf-8", errors="replace")
     assert " the " in text
 
 

@@ -10,7 +10,7 @@ once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -125,11 +125,14 @@ def on_device(snapshot: Mapping[Any, Mapping[Any, int]], device: torch.device) -
     return next((s for dev, s in snapshot.items() if torch.device(dev).type == device.type), {})
 
 
-def peak_forward_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
-    """Peak live tensor bytes on the CPU over one no-grad forward pass, model and input
-    included (what an inference batch costs)."""
+def peak_forward_bytes(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], forward: Callable[[], Any]
+) -> int:
+    """Peak live tensor bytes on the CPU over one no-grad ``forward()`` of ``model`` on
+    ``batch``, model and batch included (what an inference batch costs)."""
     tracker = MemTracker()
-    tracker.track_external(model, x)
+    tracker.track_external(model, *batch.values())
     with tracker, torch.no_grad():
-        model(x)
-    return int(on_device(tracker.get_tracker_snapshot("peak"), x.device).get("Total", 0))
+        forward()
+    cpu = torch.device("cpu")
+    return int(on_device(tracker.get_tracker_snapshot("peak"), cpu).get("Total", 0))

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from harness.workloads.loss import cross_entropy
-from harness.workloads.tensors import SplitData
+from harness.workloads.task import Task
+from harness.workloads.tensors import Batch, num_samples, take
 
 EVAL_BATCH = 512  # held-out samples per forward pass
 
@@ -17,23 +17,22 @@ EVAL_BATCH = 512  # held-out samples per forward pass
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
-    data: SplitData,
+    task: Task,
+    test: Batch,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-    prepare_batch: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+    prepare_batch: Callable[[Batch], Batch] = lambda batch: batch,
 ) -> dict[str, float]:
-    """``accuracy`` and mean cross-entropy ``eval_loss`` over the held-out split, in the
-    trial's autocast dtype and with its strategies' batch preparation."""
+    """``accuracy`` and mean ``eval_loss`` over the held-out split as the task scores them, in
+    the trial's autocast dtype and with its strategies' batch preparation."""
     was_training = model.training
     model.eval()
     correct, loss_sum, count = 0, 0.0, 0
-    for start in range(0, len(data.test_x), EVAL_BATCH):
-        x = prepare_batch(data.test_x[start : start + EVAL_BATCH].to(device))
-        y = data.test_y[start : start + EVAL_BATCH].to(device)
+    for start in range(0, num_samples(test), EVAL_BATCH):
+        part = take(test, slice(start, start + EVAL_BATCH))
+        batch = prepare_batch({name: t.to(device) for name, t in part.items()})
         with autocast():
-            logits = model(x)
-        loss_sum += cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(dim=-1) == y).sum().item()
-        count += y.numel()
+            hits, loss, counted = task.score(model, batch)
+        correct, loss_sum, count = correct + hits, loss_sum + loss, count + counted
     model.train(was_training)
     return {"accuracy": correct / count, "eval_loss": loss_sum / count}

@@ -7,7 +7,8 @@ A strategy overrides only the hooks it needs, so strategies compose by being app
 2. ``prepare_model(model, ctx)`` - after the model is built and moved to the device, before
    the optimizer exists (checkpointing, low-precision parameters, pruning, compilation).
 3. ``optimizer(spec, ctx)`` - may replace the optimizer spec (sgd, adafactor, ...).
-4. ``prepare_batch(x)`` - each input batch, once on the device (memory format, dtype).
+4. ``prepare_batch(x)`` - each floating-point tensor of a batch, once on the device (memory
+   format, dtype).
 5. ``micro_batches()`` / ``zero_grad_set_to_none()`` / ``step_context()`` - how a step runs.
 6. ``after_training(model, ctx)`` - extra measurements on the trained model (metrics dict).
 """
@@ -31,6 +32,7 @@ class TrialContext:
     family: str
     data: Any  # harness.workloads.tensors.SplitData (CPU tensors); None while estimating
     batch_size: int
+    task: Any = None  # harness.workloads.task.Task: how the model is called and scored
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -30,8 +30,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import prune
 
 from harness.meters.accounting import peak_forward_bytes
-from harness.meters.accuracy import EVAL_BATCH
+from harness.meters.accuracy import evaluate
 from harness.strategies.base import Strategy, TrialContext
+from harness.workloads.tensors import Batch, inputs_only, take
+
+CPU = torch.device("cpu")
 
 PEAK_BATCH = 256  # held-out samples in the forward pass whose peak memory is measured
 
@@ -87,20 +90,9 @@ def packed_bytes(qmodel: nn.Module) -> tuple[int, int]:
     return weights, weights + biases
 
 
-def as_input(x: torch.Tensor) -> torch.Tensor:
-    return x.float() if x.is_floating_point() else x
-
-
-@torch.no_grad()
-def cpu_accuracy(model: nn.Module, test_x: torch.Tensor, test_y: torch.Tensor) -> float:
-    """Held-out accuracy (per token for sequence models) in fp32 on the CPU, no autocast."""
-    correct = count = 0
-    for start in range(0, len(test_x), EVAL_BATCH):
-        logits = model(as_input(test_x[start : start + EVAL_BATCH].cpu()))
-        y = test_y[start : start + EVAL_BATCH].cpu()
-        correct += int((logits.argmax(dim=-1) == y).sum())
-        count += y.numel()
-    return correct / count
+def fp32_inputs(batch: Batch) -> Batch:
+    """The quantized kernels take fp32 input only: floating tensors to fp32, the rest as is."""
+    return {k: t.float() if t.is_floating_point() else t for k, t in batch.items()}
 
 
 class QuantizeInt8(Strategy):
@@ -113,14 +105,21 @@ class QuantizeInt8(Strategy):
             for m in fmodel.modules()
             if isinstance(m, nn.Linear)
         )
-        x = as_input(ctx.data.test_x[:PEAK_BATCH].cpu())
-        float_peak = peak_forward_bytes(fmodel, x)
+        test = {k: t.cpu() for k, t in ctx.data.test.items()}
+        batch = fp32_inputs(inputs_only(take(test, slice(0, PEAK_BATCH))))
+
+        def inference_peak(of: nn.Module) -> int:
+            return peak_forward_bytes(of, batch, lambda: ctx.task.outputs(of, batch))
+
+        float_peak = inference_peak(fmodel)
         qmodel = quantize(fmodel)  # in place: fmodel is already a private copy
         int8_bytes, hidden_bytes = packed_bytes(qmodel)
+        # fp32 on the CPU without the trial's autocast (the quantized kernels take fp32 only).
+        held_out = evaluate(qmodel, ctx.task, test, CPU, prepare_batch=fp32_inputs)
         return {
             "float_linear_weight_bytes": float(float_bytes),
             "int8_linear_weight_bytes": float(int8_bytes),
             "float_peak_inference_bytes": float(float_peak),
-            "int8_peak_inference_bytes": float(peak_forward_bytes(qmodel, x) + hidden_bytes),
-            "int8_accuracy": cpu_accuracy(qmodel, ctx.data.test_x, ctx.data.test_y),
+            "int8_peak_inference_bytes": float(inference_peak(qmodel) + hidden_bytes),
+            "int8_accuracy": held_out["accuracy"],
         }

@@ -40,6 +40,7 @@ from harness.trial.distributed import Ranks
 from harness.trial.setup import build_setup
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
+from harness.workloads.tensors import Batch
 
 UNPREDICTABLE = {"adam8bit": "its step is compiled code, which cannot run on fake tensors"}
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
@@ -98,29 +99,22 @@ def estimate_peak(
         ):
             info = describe_dataset(config.dataset, config.dataset_options)
             setup = build_setup(config, device, ranks, info, None)
-            shape = (config.batch_size, *info.input_shape)
 
-            def batch() -> tuple[torch.Tensor, torch.Tensor]:
-                if info.tokens_per_sample > 1:
-                    x = torch.randint(0, info.num_classes, shape)
-                    y = torch.randint(0, info.num_classes, shape)
-                else:
-                    x = torch.randn(shape)
-                    y = torch.randint(0, info.num_classes, (config.batch_size,))
-                return setup.to_device((x, y))
+            def batch() -> Batch:
+                return setup.to_device(info.example_batch(config.batch_size))
 
-            setup.train_step(*batch())  # one warm-up step: the optimizer state now exists
+            setup.train_step(batch())  # one warm-up step: the optimizer state now exists
             staged = [batch() for _ in range(config.memory_steps)]
             window = MemoryWindow(
                 device,
                 setup.model,
                 setup.optimizer,
-                [t for b in staged for t in b],
+                [t for staged_batch in staged for t in staged_batch.values()],
                 allocator_counters=False,
             )
             with window:
-                for x, y in staged:
-                    setup.train_step(x, y, on_micro_batch=window.micro_batch_done)
+                for staged_batch in staged:
+                    setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
             # This rank's parameters + one gradient each + the optimizer's persistent state.
             model_state = 2 * storage_bytes(setup.model.parameters()) + optimizer_state_bytes(
                 setup.optimizer

@@ -29,9 +29,7 @@ from harness.trial.distributed import Ranks
 from harness.trial.result import Status, TrialFailure, TrialResult
 from harness.trial.setup import Setup
 from harness.units import format_bytes
-from harness.workloads.tensors import SplitData, batches, steps_per_epoch
-
-Batch = tuple[torch.Tensor, torch.Tensor]
+from harness.workloads.tensors import Batch, SplitData, batches, steps_per_epoch
 
 
 @dataclass
@@ -86,8 +84,8 @@ class TrainingLoop:
         # Where the memory timeline (and on CUDA the allocator snapshot) go; None: nowhere.
         self.output_dir = output_dir
         config = setup.config
-        self.per_epoch = steps_per_epoch(len(data.train_x), config.batch_size)
-        self.stream = batches(data.train_x, data.train_y, config.batch_size, config.seed)
+        self.per_epoch = steps_per_epoch(data.train_size, config.batch_size)
+        self.stream = batches(data.train, config.batch_size, config.seed)
 
     def run(self) -> None:
         config, setup, metrics = self.setup.config, self.setup, self.measured.metrics
@@ -103,8 +101,8 @@ class TrainingLoop:
             # each forward); the results agree, rank 0 reports them.
             metrics.update(
                 evaluate(
-                    setup.model, self.data, setup.device, setup.precision.autocast,
-                    setup.prepare_batch,
+                    setup.model, setup.task, self.data.test, setup.device,
+                    setup.precision.autocast, setup.prepare_batch,
                 )
             )  # fmt: skip
             for strategy in setup.strategies:
@@ -120,7 +118,7 @@ class TrainingLoop:
 
     def warm_up(self, steps: int) -> None:
         for _ in range(steps):
-            self.record_loss(self.setup.train_step(*self.next_batch()))
+            self.record_loss(self.setup.train_step(self.next_batch()))
 
     def measure_memory(self, steps: int) -> None:
         setup, config, metrics = self.setup, self.setup.config, self.measured.metrics
@@ -130,15 +128,15 @@ class TrainingLoop:
             setup.device,
             setup.model,
             setup.optimizer,
-            [t for b in staged for t in b],
+            [t for batch in staged for t in batch.values()],
             timeline=record,
             allocator_snapshot=str(self.output_dir / SNAPSHOT_FILE) if record else None,
         )
         with window:
             synchronize(setup.device)
             start = time.perf_counter()
-            for x, y in staged:
-                self.record_loss(setup.train_step(x, y, on_micro_batch=window.micro_batch_done))
+            for batch in staged:
+                self.record_loss(setup.train_step(batch, on_micro_batch=window.micro_batch_done))
             synchronize(setup.device)
             tracked_s = time.perf_counter() - start
         metrics["memory_step_time_ms"] = tracked_s / max(steps, 1) * 1000
@@ -171,8 +169,8 @@ class TrainingLoop:
         gc.collect()
         staged = [self.next_batch() for _ in range(steps)]
         timer = StepTimer(setup.device)
-        for x, y in staged:
-            loss = timer.time(lambda x=x, y=y: setup.train_step(x, y))
+        for batch in staged:
+            loss = timer.time(lambda batch=batch: setup.train_step(batch))
             self.record_loss(loss)
         speed = timer.metrics(setup.samples_per_step)
         self.measured.metrics.update(setup.ranks.combined_speed(speed))
@@ -185,7 +183,7 @@ class TrainingLoop:
         synchronize(device)
         start = time.perf_counter()
         for _ in range(steps):
-            self.record_loss(self.setup.train_step(*self.next_batch()))
+            self.record_loss(self.setup.train_step(self.next_batch()))
         synchronize(device)
         elapsed = self.setup.ranks.maximum(time.perf_counter() - start)
         self.measured.metrics["epoch_time_s"] = elapsed / steps * self.per_epoch

@@ -24,10 +24,10 @@ from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
 from harness.trial.optim import build_optimizer
 from harness.trial.precision import Precision
-from harness.workloads import build_model
+from harness.workloads import build_workload
 from harness.workloads.convert import convert
-from harness.workloads.loss import cross_entropy
-from harness.workloads.tensors import DataInfo, SplitData
+from harness.workloads.task import Task
+from harness.workloads.tensors import Batch, DataInfo, SplitData, chunks
 
 # Strategies that cannot run on fake tensors and change no tensor's size: the estimate leaves
 # them out (``compile`` is predicted eagerly, which is also what the memory window measures).
@@ -42,7 +42,8 @@ class Setup:
     precision: Precision
     strategies: tuple[Strategy, ...]
     context: TrialContext
-    model: nn.Module
+    model: nn.Module  # as the strategies left it (checkpointed, wrapped, compiled, ...)
+    task: Task  # how it is called on a batch and what its loss is
     optimizer: torch.optim.Optimizer
     micro_batches: int  # per optimizer step (accumulate:K)
     set_to_none: bool  # how zero_grad frees gradients (keep_grads: in place)
@@ -52,41 +53,44 @@ class Setup:
     # world size, and what strategies did (checkpoint segments, pruned parameters, ...).
     info: dict[str, Any]
 
-    def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
-        """An input batch as the strategies want it on the device (memory format, dtype)."""
-        for strategy in self.strategies:
-            x = strategy.prepare_batch(x)
-        return x
+    def prepare_batch(self, batch: Batch) -> Batch:
+        """A batch as the strategies want it on the device: each floating-point tensor (the
+        inputs; labels and token ids are integers) in their memory format and dtype."""
+        prepared = dict(batch)
+        for name, tensor in batch.items():
+            if tensor.is_floating_point():
+                for strategy in self.strategies:
+                    tensor = strategy.prepare_batch(tensor)
+                prepared[name] = tensor
+        return prepared
 
-    def to_device(
-        self, batch: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_device(self, batch: Batch) -> Batch:
         """This rank's slice of a global batch, on the device, prepared."""
-        x, y = (self.ranks.shard(t).to(self.device, non_blocking=True) for t in batch)
-        return self.prepare_batch(x), y
+        moved = {
+            k: self.ranks.shard(t).to(self.device, non_blocking=True) for k, t in batch.items()
+        }
+        return self.prepare_batch(moved)
 
     def train_step(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        on_micro_batch: Callable[[], None] | None = None,
+        self, batch: Batch, on_micro_batch: Callable[[], None] | None = None
     ) -> torch.Tensor:
         """One optimizer step over ``micro_batches`` forward+backward passes; the summed loss.
 
-        ``on_micro_batch`` runs after each backward (the memory window resets its per-module
-        statistics there).
+        What the task keeps of a forward (a script's ``outputs``) lives until its backward is
+        done. ``on_micro_batch`` runs after each backward (the memory window resets its
+        per-module statistics there).
         """
         self.optimizer.zero_grad(set_to_none=self.set_to_none)
         total = torch.zeros((), device=self.device)
-        for x_part, y_part in zip(
-            x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True
-        ):
+        for part in chunks(batch, self.micro_batches):
             with contextlib.ExitStack() as stack:
                 for strategy in self.strategies:
                     stack.enter_context(strategy.step_context())
                 with self.precision.autocast():
-                    loss = cross_entropy(self.model(x_part), y_part) / self.micro_batches
+                    loss, kept = self.task.forward(self.model, part)
+                    loss = loss / self.micro_batches
                 self.precision.backward(loss)
+            del kept
             if on_micro_batch is not None:
                 on_micro_batch()
             total += loss.detach().float()
@@ -114,10 +118,11 @@ def build_setup(
         if not (estimating and strategy.name in EAGER_ONLY)
     )
     precision = Precision(config.dtype, device, scaler=not estimating)
-    context = TrialContext(device, config.dtype, config.model_family, data, config.batch_size)
-    model = convert(
-        build_model(config.model_family, config.knobs, data_info, config.python_path), device
+    workload = build_workload(config.model_family, config.knobs, data_info, config.python_path)
+    context = TrialContext(
+        device, config.dtype, config.model_family, data, config.batch_size, workload.task
     )
+    model = convert(workload.model, device)
     for strategy in strategies:
         model = strategy.prepare_model(model, context)
     optimizer_spec = dict(config.optimizer)
@@ -140,6 +145,7 @@ def build_setup(
         strategies=strategies,
         context=context,
         model=model,
+        task=workload.task,
         optimizer=optimizer,
         micro_batches=math.prod(s.micro_batches() for s in strategies),
         set_to_none=all(s.zero_grad_set_to_none() for s in strategies),

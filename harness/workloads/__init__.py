@@ -1,7 +1,7 @@
 """Registries of model families and datasets.
 
 The registries themselves are plain data (no torch import), so the sweep layer can validate a spec
-against them without loading model code; ``build_model`` / ``load_dataset`` import the one module
+against them without loading model code; ``build_workload`` / ``load_dataset`` import the one module
 they need. Adding a family or dataset: one module plus one entry here.
 """
 
@@ -161,19 +161,24 @@ def resolve_knobs(family: str, knobs: dict[str, Any]) -> dict[str, Any]:
     return {**known.defaults, **preset, **given}
 
 
-def build_model(
+def build_workload(
     family: str, knobs: dict[str, Any], data: Any, python_path: list[str] | None = None
 ) -> Any:
-    """Build the family's ``nn.Module`` for the dataset described by ``data`` (a ``DataInfo``).
+    """Build the family's model for the dataset described by ``data`` (a ``DataInfo``), with
+    the task it trains on (``harness.workloads.task``).
 
-    A user family ``module:attr`` is called as ``attr(data=DataInfo, **knobs)``.
+    A family's builder returns an ``nn.Module`` that maps ``x`` to logits, or a whole
+    ``Workload``. A user family ``module:attr`` is called as ``attr(data=DataInfo, **knobs)``.
     """
+    from harness.workloads.task import Logits, Workload
+
     if family in FAMILIES:
-        builder = resolve(FAMILIES[family].builder)
-        return builder(data, **resolve_knobs(family, knobs))
-    if is_user_family(family):
-        return resolve(family, python_path)(data=data, **knobs)
-    raise ValueError(f"unknown model family {family!r}")
+        built = resolve(FAMILIES[family].builder)(data, **resolve_knobs(family, knobs))
+    elif is_user_family(family):
+        built = resolve(family, python_path)(data=data, **knobs)
+    else:
+        raise ValueError(f"unknown model family {family!r}")
+    return built if isinstance(built, Workload) else Workload(built, Logits())
 
 
 def describe_dataset(name: str, options: dict[str, Any]) -> Any:

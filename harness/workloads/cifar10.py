@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from harness.workloads.tensors import DataInfo, SplitData
+from harness.workloads.tensors import INPUTS, TARGETS, DataInfo, SplitData
 
 FOLDER = "cifar-10-batches-py"
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -65,4 +65,8 @@ def load(options: dict[str, Any], seed: int) -> SplitData:
     test_x, test_y = _read_batch(folder / TEST_FILE)
     train_x = torch.cat([x for x, _ in train])
     train_y = torch.cat([y for _, y in train])
-    return SplitData(_normalise(train_x), train_y, _normalise(test_x), test_y, NUM_CLASSES)
+    return SplitData(
+        {INPUTS: _normalise(train_x), TARGETS: train_y},
+        {INPUTS: _normalise(test_x), TARGETS: test_y},
+        NUM_CLASSES,
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from harness.workloads.tensors import DataInfo, SplitData
+from harness.workloads.tensors import INPUTS, TARGETS, DataInfo, SplitData
 
 VOCAB = 256
 
@@ -43,6 +43,7 @@ def load(options: dict[str, Any], seed: int) -> SplitData:
     seq_len = int(options.get("seq_len") or 128)
     tokens = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     cut = int(len(tokens) * (1 - options.get("test_fraction", 0.2)))
-    train_x, train_y = windows(tokens[:cut], seq_len)
-    test_x, test_y = windows(tokens[cut:], seq_len)
-    return SplitData(train_x, train_y, test_x, test_y, VOCAB)
+    train, test = windows(tokens[:cut], seq_len), windows(tokens[cut:], seq_len)
+    return SplitData(
+        {INPUTS: train[0], TARGETS: train[1]}, {INPUTS: test[0], TARGETS: test[1]}, VOCAB
+    )
