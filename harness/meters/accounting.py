@@ -40,9 +40,31 @@ _skip_tools_package_init()
 
 from torch.distributed._tools import mem_tracker  # noqa: E402
 from torch.distributed._tools.common_utils import get_untyped_storages  # noqa: E402
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType  # noqa: E402
+from torch.distributed._tools.mem_tracker import (  # noqa: E402
+    _TOTAL_KEY,
+    MemTracker,
+    _MemRefType,
+)
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
+
+
+class PeakTracker(MemTracker):
+    """``MemTracker`` keeping only what the meters read: the running snapshot and the peak.
+
+    After every op ``MemTracker`` also updates a peak per tracked module, walking every module
+    it has seen; nothing here reads those, and on a 32-layer model that walk was 60 % of a
+    tracked step (an 8B Llama's fake step: 18 s). Module hooks still run: they tell forward,
+    backward and recomputation apart.
+    """
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+
 _round_every_device = False  # set by cuda_accounting()
 
 
@@ -130,7 +152,7 @@ def peak_forward_bytes(
 ) -> int:
     """Peak live tensor bytes on the CPU over one no-grad ``forward()`` of ``model`` on
     ``batch``, model and batch included (what an inference batch costs)."""
-    tracker = MemTracker()
+    tracker = PeakTracker()
     tracker.track_external(model, *batch.values())
     with tracker, torch.no_grad():
         forward()

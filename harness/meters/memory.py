@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from harness.meters.accounting import MemTracker, fold, on_device, optimizer_state_bytes
+from harness.meters.accounting import PeakTracker, fold, on_device, optimizer_state_bytes
 from harness.meters.timeline import TimelineTracker
 from harness.metrics import breakdown_metric
 
@@ -57,7 +57,7 @@ class MemoryWindow:
         self.allocator_counters = allocator_counters and device.type == "cuda"
         self.optimizer = optimizer
         self.timeline_tracker = TimelineTracker(device) if timeline else None
-        self.tracker: MemTracker = self.timeline_tracker or MemTracker()
+        self.tracker: PeakTracker = self.timeline_tracker or PeakTracker()
         self.tracker.track_external(model, optimizer, *staged)
         # CUDA only: where to dump the allocator's history for PyTorch's memory viewer.
         self.allocator_snapshot = allocator_snapshot if self.allocator_counters else None

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from harness.meters.accounting import MemTracker, fold, on_device
+from harness.meters.accounting import PeakTracker, fold, on_device
 from harness.metrics import BREAKDOWN_CATEGORIES
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
@@ -27,8 +27,8 @@ MAX_SAMPLES = 20_000  # beyond this, every k-th sample is kept (and always the p
 FORMAT_VERSION = 1
 
 
-class TimelineTracker(MemTracker):
-    """``MemTracker`` that also keeps a sample of its running snapshot after every op."""
+class TimelineTracker(PeakTracker):
+    """``PeakTracker`` that also keeps a sample of its running snapshot after every op."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -38,7 +38,7 @@ class TimelineTracker(MemTracker):
         self.ops = 0
         self.rows: list[tuple[int, ...]] = []
 
-    def _update_peak_stats(self, peak_state: Any) -> None:  # after every op (MemTracker)
+    def _update_peak_stats(self, peak_state: Any) -> None:  # after every op
         super()._update_peak_stats(peak_state)
         self.ops += 1
         self.sample()

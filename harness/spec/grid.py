@@ -40,6 +40,7 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         timed_steps=spec.measure.timed_steps,
         device=spec.device,
         device_memory_bytes=spec.device_memory,
+        model_loss=spec.model.loss,
         python_path=[spec_dir, str(Path.cwd())],
         run_infeasible=spec.limits.run_infeasible,
         timeline=spec.measure.timeline,

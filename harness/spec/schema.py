@@ -38,7 +38,16 @@ from harness.contract import (
 from harness.metrics import METRICS
 from harness.spec.errors import FieldProblem, did_you_mean, require_known
 from harness.units import parse_bytes, parse_seconds
-from harness.workloads import DATASETS, FAMILIES, Family, is_user_family, resolve_knobs
+from harness.workloads import (
+    DATASETS,
+    FAMILIES,
+    Family,
+    is_user_code,
+    is_user_dataset,
+    is_user_family,
+    resolve_knobs,
+)
+from harness.workloads.hf_presets import HF_DATASET_FORMATS
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -51,9 +60,17 @@ class Strict(BaseModel):
 # ---- sections ------------------------------------------------------------------------------
 
 
+def _user_code(value: str | None) -> str | None:
+    if value is not None and not is_user_code(value):
+        raise ValueError("name it as package.module:function")
+    return value
+
+
 class ModelSpec(Strict):
     family: str
     sizes: dict[str, dict[str, Any]] = Field(min_length=1)
+    # Your own model's loss: module:function taking (outputs, batch); else the model's own.
+    loss: Annotated[str | None, AfterValidator(_user_code)] = None
 
     @field_validator("family")
     @classmethod
@@ -67,11 +84,17 @@ class ModelSpec(Strict):
         family = FAMILIES.get(self.family)
         if family is None:
             return self  # user code receives its knobs as keyword arguments, unchecked
+        if self.loss is not None:
+            raise FieldProblem(
+                ["loss"],
+                f"only applies to your own model code (family module:attr), not {family.name}",
+            )
         for size, knobs in self.sizes.items():
             if not NAME_RE.match(size):
                 raise FieldProblem(["sizes", size], "size names use letters, digits, '_', '-', '.'")
             for knob, value in knobs.items():
                 check_knob(family, ["sizes", size, knob], knob, value)
+            check_sources(family, ["sizes", size], knobs)
             resolved = resolve_knobs(self.family, knobs)
             for multiple, of in family.divisible:
                 if resolved[multiple] % resolved[of]:
@@ -91,7 +114,19 @@ def check_knob(family: Family, where: list[str | int], knob: str, value: Any) ->
                 f"(allowed: {', '.join(family.presets)}){did_you_mean(str(value), family.presets)}",
             )
         return
+    if knob in family.text_knobs:
+        allowed = family.text_knobs[knob]
+        if not isinstance(value, str) or not value:
+            raise FieldProblem(where, f"must be a string (got {value!r})")
+        if allowed and value not in allowed:
+            raise FieldProblem(
+                where,
+                f"must be one of {', '.join(allowed)}{did_you_mean(value, allowed)} (got {value!r})",
+            )
+        return
     if knob not in family.knob_names:
+        if family.free_knobs:
+            return  # passed through to the library (a config attribute, a keyword)
         allowed = family.knob_names + (["preset"] if family.presets else [])
         raise FieldProblem(
             where,
@@ -108,6 +143,23 @@ def check_knob(family: Family, where: list[str | int], knob: str, value: Any) ->
         )
 
 
+def check_sources(family: Family, where: list[str | int], knobs: dict[str, Any]) -> None:
+    """A family whose knobs are free needs a size to say what it builds from, once."""
+    if not family.sources:
+        return
+    given = [k for k in family.sources if k in knobs]
+    if not given:
+        raise FieldProblem(where, f"a {family.name} size needs one of {', '.join(family.sources)}")
+    exclusive = [k for k in given if k in family.exclusive]
+    if len(exclusive) > 1:
+        raise FieldProblem(
+            where, f"give only one of {', '.join(exclusive)} (a size builds from one source)"
+        )
+
+
+USER_DATA_OPTIONS = ("args", "test_fraction", "num_classes")
+
+
 class DataSpec(Strict):
     dataset: str = "digits"
     data_dir: str = "data"
@@ -116,27 +168,49 @@ class DataSpec(Strict):
     shape: list[PositiveInt] | None = Field(None, min_length=1)
     num_classes: int | None = Field(None, ge=2)
     num_samples: int | None = Field(None, ge=2)
+    seq_len: PositiveInt | None = None
+    vocab_size: int | None = Field(None, ge=2)
+    format: Literal[HF_DATASET_FORMATS] | None = None
+    data_files: str | list[str] | None = None
+    text_column: str | None = None
+    image_column: str | None = None
+    label_column: str | None = None
+    tokenizer: str | None = None
+    args: dict[str, Any] | None = None  # keyword arguments of your own data function
 
     @field_validator("dataset")
     @classmethod
     def known_dataset(cls, name: str) -> str:
-        return require_known("dataset", name, DATASETS)
+        if is_user_dataset(name):
+            return name
+        return require_known("dataset", name, DATASETS, "or module:function for your own data")
+
+    def used_options(self) -> tuple[str, ...]:
+        if is_user_dataset(self.dataset):
+            return USER_DATA_OPTIONS
+        return DATASETS[self.dataset].options
 
     @model_validator(mode="after")
     def options_fit_dataset(self) -> DataSpec:
-        used = DATASETS[self.dataset].options
-        for key in ("shape", "num_classes", "num_samples", "data_dir", "download", "test_fraction"):
-            if key in self.model_fields_set and key not in used:
+        used = self.used_options()
+        for key in self.model_fields_set - {"dataset"}:
+            if key not in used:
                 users = [name for name, info in DATASETS.items() if key in info.options]
+                if key in USER_DATA_OPTIONS:
+                    users.append("your own (module:function)")
                 raise FieldProblem(
                     [key], f"only applies to dataset {' or '.join(users)}, not {self.dataset!r}"
                 )
+        if self.dataset == "hf_dataset" and not self.data_files:
+            raise FieldProblem(
+                ["data_files"], "required with dataset hf_dataset (a file or a list)"
+            )
         return self
 
     def options(self) -> dict[str, Any]:
         """What the dataset loader receives (only what the dataset uses, so keys stay stable)."""
         chosen: dict[str, Any] = {}
-        for key in DATASETS[self.dataset].options:
+        for key in self.used_options():
             value = getattr(self, key)
             if value is not None:
                 chosen[key] = value
@@ -318,7 +392,8 @@ class Spec(Strict):
     @model_validator(mode="after")
     def axes_fit_together(self) -> Spec:
         family = FAMILIES.get(self.model.family)
-        if family is not None and self.data.dataset not in family.datasets:
+        user_data = is_user_dataset(self.data.dataset)
+        if family is not None and not user_data and self.data.dataset not in family.datasets:
             raise FieldProblem(
                 ["data", "dataset"],
                 f"model family {family.name} trains on {' or '.join(family.datasets)}, "

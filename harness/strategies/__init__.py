@@ -176,7 +176,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "on GPUs (tensor cores); little or no effect on CPU",
             "memory_management",
             "ChannelsLast",
-            families=("cnn", "resnet"),
+            families=("cnn", "resnet", "timm"),
         ),
         _info(
             "compile",

@@ -23,6 +23,11 @@ import torch
 from torch import nn
 
 
+class StrategyError(ValueError):
+    """A strategy cannot apply to this model (no blocks to checkpoint, ...): the trial ends
+    before it trains, with this message, and the estimate says so in its row."""
+
+
 @dataclass
 class TrialContext:
     """What strategies may need to know about the trial they change."""

@@ -4,69 +4,90 @@ Only each segment's input is kept from the forward pass; the segment's inside is
 backward (``torch.utils.checkpoint``, non-reentrant). Segments of K blocks store n/K inputs and
 recompute K blocks at a time, so K = sqrt(n) gives Chen et al.'s O(sqrt n) activation memory.
 
-The blocks are ``model.blocks`` (an ``nn.ModuleList``; the built-in cnn, mlp and gpt have one)
-or a torchvision ResNet's four stages.
+The blocks (``repeated_blocks``) are found in any model: ``model.blocks`` (the built-in
+families, timm's ViTs), ``model.stages`` (timm's staged nets), a ResNet's ``layer1``..``layer4``,
+else the longest ``nn.ModuleList``/``nn.Sequential`` of modules of one type
+(``TransformerEncoder.layers``, a Hugging Face model's ``layers`` or ``h``). A block keeps its
+module and type (only its ``forward`` is wrapped), so parents that look inside their blocks
+(``TransformerEncoder``'s fast-path checks) and module hooks (FSDP, the memory tracker) see
+the model unchanged, and whatever arguments a parent passes its blocks (masks, position
+embeddings, caches) reach them. A Hugging Face model that supports it is checkpointed by its
+own ``gradient_checkpointing_enable`` (non-reentrant), as a Trainer script would.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harness.strategies.base import Strategy, TrialContext
+from harness.strategies.base import Strategy, StrategyError, TrialContext
 
 
-class CheckpointedSegment(nn.Module):
-    def __init__(self, modules: list[nn.Module]) -> None:
-        super().__init__()
-        self.segment = nn.ModuleList(modules)
-
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        for module in self.segment:
-            x = module(x)
-        return x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.run, x, use_reentrant=False)
-
-
-def block_sites(model: nn.Module) -> list[tuple[Any, Any]]:
-    """(container, key) of each repeated block, in execution order."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList) and len(blocks):
-        return [(blocks, index) for index in range(len(blocks))]
-    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):  # torchvision ResNet stages
-        return [(model, f"layer{i}") for i in range(1, 5)]
-    raise ValueError(
-        f"checkpoint: no repeated blocks found in {type(model).__name__}; "
-        "expose them as `model.blocks` (an nn.ModuleList run in order)"
-    )
+def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """Where the model's repeated blocks are, and the blocks in execution order."""
+    for name in ("blocks", "stages"):
+        found = getattr(model, name, None)
+        if isinstance(found, nn.ModuleList | nn.Sequential) and len(found):
+            return name, list(found)
+    if all(isinstance(getattr(model, f"layer{i}", None), nn.Module) for i in range(1, 5)):
+        return "layer1..layer4", [getattr(model, f"layer{i}") for i in range(1, 5)]
+    best: tuple[str, list[nn.Module]] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList | nn.Sequential) and len(module) > 1:
+            children = list(module)
+            same_type = all(type(child) is type(children[0]) for child in children)
+            if same_type and (best is None or len(children) > len(best[1])):
+                best = name, children
+    if best is None:
+        raise StrategyError(
+            f"checkpoint: no repeated blocks found in {type(model).__name__} (looked for "
+            "model.blocks, model.stages, layer1..layer4 and lists of same-type modules)"
+        )
+    return best
 
 
-def _get(container: Any, key: Any) -> nn.Module:
-    return container[key] if isinstance(key, int) else getattr(container, key)
+def _pass_through(*args: Any, **kwargs: Any) -> Any:
+    """A block inside a checkpointed segment: the segment's head already ran it."""
+    return args[0]
 
 
-def _set(container: Any, key: Any, module: nn.Module) -> None:
-    if isinstance(key, int):
-        container[key] = module
-    else:
-        setattr(container, key, module)
+def checkpoint_segments(blocks: list[nn.Module], per_segment: int) -> int:
+    """Checkpoint consecutive runs of ``per_segment`` blocks; returns the number of segments.
 
-
-def checkpoint_blocks(model: nn.Module, per_segment: int) -> int:
-    """Wrap consecutive blocks into checkpointed segments; returns the number of segments."""
-    sites = block_sites(model)
+    The first block of a segment runs the whole segment under ``checkpoint``; the others pass
+    their input through when their parent calls them (the segment ran them already, through
+    their own ``__call__``, so their hooks fire once, inside the segment).
+    """
     segments = 0
-    for start in range(0, len(sites), per_segment):
-        group = sites[start : start + per_segment]
-        modules = [_get(container, key) for container, key in group]
-        _set(*group[0], CheckpointedSegment(modules))
-        for container, key in group[1:]:
-            _set(container, key, nn.Identity())
+    for start in range(0, len(blocks), per_segment):
+        head, *rest = blocks[start : start + per_segment]
+        head_forward = head.forward
+
+        def run(
+            *args: Any, _head: Any = head_forward, _rest: list[nn.Module] = rest, **kwargs: Any
+        ) -> Any:
+            out = _head(*args, **kwargs)
+            for block in _rest:
+                if not isinstance(out, torch.Tensor):
+                    raise StrategyError(
+                        f"checkpoint:{per_segment}: segments of several blocks need blocks that "
+                        f"return a tensor ({type(block).__name__} returns "
+                        f"{type(out).__name__}); use checkpoint"
+                    )
+                del block.forward  # the module's own forward again, for this call
+                try:
+                    out = block(out, *args[1:], **kwargs)
+                finally:
+                    block.forward = _pass_through
+            return out
+
+        head.forward = functools.partial(checkpoint, run, use_reentrant=False)
+        for block in rest:
+            block.forward = _pass_through
         segments += 1
     return segments
 
@@ -75,6 +96,16 @@ class Checkpoint(Strategy):
     name = "checkpoint"
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
-        segments = checkpoint_blocks(model, int(self.arg) if self.arg else 1)
-        ctx.notes["checkpoint_segments"] = segments
+        per_segment = int(self.arg) if self.arg else 1
+        where, blocks = repeated_blocks(model)
+        what = f"{where}: {len(blocks)} x {type(blocks[0]).__name__}"
+        if per_segment == 1 and getattr(model, "supports_gradient_checkpointing", False):
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            ctx.notes["checkpoint_blocks"] = f"{what} (transformers' gradient checkpointing)"
+            ctx.notes["checkpoint_segments"] = len(blocks)
+            return model
+        ctx.notes["checkpoint_blocks"] = what
+        ctx.notes["checkpoint_segments"] = checkpoint_segments(blocks, per_segment)
         return model

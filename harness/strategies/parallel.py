@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from harness.strategies.base import Strategy, TrialContext
-from harness.strategies.checkpoint import block_sites
+from harness.strategies.base import Strategy, StrategyError, TrialContext
+from harness.strategies.checkpoint import repeated_blocks
 
 
 def _require_group(name: str) -> None:
@@ -64,12 +64,11 @@ class Fsdp(Strategy):
         with _disable_current_modes():
             mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
         try:
-            sites = block_sites(model)
-        except ValueError:
-            sites = []  # no repeated blocks: shard the model as one unit
-        for container, key in sites:
-            block = container[key] if isinstance(key, int) else getattr(container, key)
+            _, blocks = repeated_blocks(model)
+        except StrategyError:
+            blocks = []  # no repeated blocks: shard the model as one unit
+        for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        ctx.notes["fsdp_units"] = len(sites) + 1
+        ctx.notes["fsdp_units"] = len(blocks) + 1
         return model

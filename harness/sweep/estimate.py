@@ -36,6 +36,7 @@ COLUMNS = [
     "device",
     "trial_key",
     "estimate_seconds",
+    "refused",
     "unpredictable",
     "note",
 ]

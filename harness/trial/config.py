@@ -15,6 +15,9 @@ from harness.strategies import world_size
 from harness.workloads import resolve_knobs
 
 NOT_DEFINING = ("python_path", "run_infeasible", "timeline")
+# Fields added after sweeps were first recorded count in the key only when set, so a spec that
+# does not use them keeps its trial keys (and resumes its sweep).
+KEYED_WHEN_SET = {"model_loss": None}
 # Files a trial writes beside its result.json (all logged as MLflow artifacts under trial/).
 TIMELINE_FILE = "timeline.json"  # harness.meters.timeline's samples of the memory window
 TIMELINE_PNG = "timeline.png"  # drawn from it by the sweep (matplotlib is not a trial need)
@@ -46,6 +49,9 @@ class TrialConfig:
     timed_steps: int = 10
     device: str = "auto"
     device_memory_bytes: int | None = None
+    # A user model's loss, ``module:function`` taking (outputs, batch); None: the model's own
+    # loss, else cross-entropy of its logits.
+    model_loss: str | None = None
     # Not part of the key: where user model code (``module:attr``) is importable from, whether
     # to run a trial even when it is predicted not to fit, and whether to record the memory
     # timeline (it changes no measurement).
@@ -81,7 +87,11 @@ class TrialConfig:
     @property
     def trial_key(self) -> str:
         """A stable hash of everything that defines the trial (not where it runs from)."""
-        defining = {k: v for k, v in self.to_dict().items() if k not in NOT_DEFINING}
+        defining = {
+            k: v
+            for k, v in self.to_dict().items()
+            if k not in NOT_DEFINING and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])
+        }
         blob = json.dumps(defining, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

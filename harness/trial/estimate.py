@@ -6,13 +6,8 @@ and device and no storage, so a 7B-parameter model costs nothing to "train". ``M
 accounts the fake storages as it accounts real ones (and rounds CUDA blocks to 512 B), so the
 prediction and the CPU measurement share one accounting.
 
-Two things fake tensors lack are supplied:
-
-- values: a step that reads a scalar (``.item()``, e.g. Adafactor's step count and parameter
-  norm) gets 1 (``True`` for a flag), since memory does not depend on it;
-- other ranks: ``ddp:N``/``fsdp:N`` run rank 0 of N against torch's "fake" process group, whose
-  collectives return at once, so sharding, all-gather buffers and gradient buckets are those
-  of the real run.
+What fake tensors lack (values read by a step or a constructor, libraries that take a fake
+tensor for a trace, other ranks) is supplied by ``harness.trial.fake``.
 
 Not predicted: ``adam8bit`` (its step is compiled code, which cannot run on fake tensors) and any
 trial whose tensor *shapes* depend on values (``nonzero``, boolean masks). ``compile`` is
@@ -23,20 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.contract import OPTIMIZER_STATE_BYTES
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.memory import MemoryWindow
 from harness.strategies import STRATEGIES, parse_term
+from harness.strategies.base import StrategyError
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
+from harness.trial.fake import ValuesReadAsOne, fake_process_group, libraries_run_eagerly
 from harness.trial.setup import build_setup
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
@@ -46,41 +40,12 @@ UNPREDICTABLE = {"adam8bit": "its step is compiled code, which cannot run on fak
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
 
 
-class ValuesReadAsOne(TorchDispatchMode):
-    """Answers a fake tensor's ``.item()`` with 1 instead of failing (see the module notes)."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            tensor = args[0]
-            if tensor.dtype == torch.bool:
-                return True
-            return 1.0 if tensor.is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def fake_process_group(ranks: Ranks) -> Iterator[None]:
-    """Rank 0 of ``ranks.size`` with no peers: torch's "fake" backend completes every collective
-    without communicating. Must not meet a real group (the trial predicts before joining one)."""
-    if not ranks.distributed:
-        yield
-        return
-    if dist.is_initialized():
-        raise RuntimeError("a multi-rank trial must be predicted before its process group starts")
-    # Importing it registers the "fake" backend (torch's own tests and tools use it so).
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks.size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def estimate_peak(
     config: TrialConfig, device: torch.device, as_cuda: bool = False
 ) -> dict[str, Any]:
-    """``predicted_peak_bytes`` and the predicted breakdown, or ``{"unpredictable": why}``.
+    """``predicted_peak_bytes`` and the predicted breakdown; ``{"unpredictable": why}`` when the
+    step cannot run on fake tensors; ``{"refused": why}`` when a strategy cannot apply to the
+    model (the trial would end before training with the same message).
 
     ``as_cuda``: run on ``device``'s kernels (the CPU) but account storages as CUDA allocates
     them, for a CUDA target predicted on a machine without a GPU. A multi-rank trial is predicted for rank 0, which holds the largest slice of each batch;
@@ -91,14 +56,19 @@ def estimate_peak(
         return {"unpredictable": f"{name}: {UNPREDICTABLE[name]}"}
     ranks = Ranks(rank=0, size=config.world_size)
     try:
+        # Real tensors: user data is loaded (and a tokenizer read) to learn the batch's shape.
+        info = describe_dataset(
+            config.dataset, config.dataset_options, config.python_path, config.seed
+        )
         with (
             cuda_accounting() if as_cuda else contextlib.nullcontext(),
             fake_process_group(ranks),
             FakeTensorMode(allow_non_fake_inputs=True),
             ValuesReadAsOne(),
+            contextlib.ExitStack() as stack,
         ):
-            info = describe_dataset(config.dataset, config.dataset_options)
             setup = build_setup(config, device, ranks, info, None)
+            stack.enter_context(libraries_run_eagerly())  # now that the model's code is loaded
 
             def batch() -> Batch:
                 return setup.to_device(info.example_batch(config.batch_size))
@@ -119,6 +89,8 @@ def estimate_peak(
             model_state = 2 * storage_bytes(setup.model.parameters()) + optimizer_state_bytes(
                 setup.optimizer
             )
+    except StrategyError as error:  # the trial cannot run either: it ends before training
+        return {"refused": str(error)}
     except Exception as error:  # data-dependent code cannot run on fake tensors
         return {"unpredictable": f"{type(error).__name__}: {error}".splitlines()[0][:200]}
     assert window.reading is not None

@@ -77,7 +77,7 @@ def train(
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     with measured.clock("setup_time_s", device):
-        data = load_dataset(config.dataset, config.dataset_options, config.seed)
+        data = load_dataset(config.dataset, config.dataset_options, config.seed, config.python_path)
         setup = build_setup(config, device, ranks, data.info, data)
     measured.info.update(setup.info)
     measured.metrics["num_params"] = float(setup.num_params)
@@ -87,6 +87,8 @@ def train(
 def predict(config: TrialConfig, device: torch.device, measured: Measurements) -> None:
     """Predict the peak before training; a trial that cannot fit is not run (``infeasible``)."""
     prediction = estimate_peak(config, device)
+    if "refused" in prediction:
+        raise TrialFailure(Status.CRASH, prediction["refused"])
     if "unpredictable" in prediction:
         measured.info["prediction"] = prediction["unpredictable"]
         return

@@ -22,6 +22,7 @@ from harness.strategies import build_strategies
 from harness.strategies.base import Strategy, TrialContext
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
+from harness.trial.fake import construct_on_meta
 from harness.trial.optim import build_optimizer
 from harness.trial.precision import Precision
 from harness.workloads import build_workload
@@ -118,11 +119,16 @@ def build_setup(
         if not (estimating and strategy.name in EAGER_ONLY)
     )
     precision = Precision(config.dtype, device, scaler=not estimating)
-    workload = build_workload(config.model_family, config.knobs, data_info, config.python_path)
+    # The estimate builds the model for real with its large tensors on meta (harness.trial.fake)
+    # and convert() makes them fake: constructors that read values see the real ones.
+    with construct_on_meta() if estimating else contextlib.nullcontext():
+        workload = build_workload(
+            config.model_family, config.knobs, data_info, config.python_path, config.model_loss
+        )
     context = TrialContext(
         device, config.dtype, config.model_family, data, config.batch_size, workload.task
     )
-    model = convert(workload.model, device)
+    model = convert(workload.model, device, materialize_meta=estimating)
     for strategy in strategies:
         model = strategy.prepare_model(model, context)
     optimizer_spec = dict(config.optimizer)
@@ -132,6 +138,7 @@ def build_setup(
     optimizer = build_optimizer(optimizer_spec, trainable)
     tokens = data_info.tokens_per_sample
     info = {
+        **workload.notes,
         **context.notes,
         "optimizer": optimizer_spec["name"],
         "throughput_unit": "tokens/s" if tokens > 1 else "samples/s",

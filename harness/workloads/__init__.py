@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.workloads.hf_presets import ATTENTION, HF_PRESETS, SOURCES, TASKS
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -27,17 +29,28 @@ class Knob:
 class Family:
     name: str
     doc: str
-    builder: str  # "module:function" taking (knobs..., data=DataInfo)
+    builder: str  # "module:function" taking (data: DataInfo, **knobs)
     knobs: tuple[Knob, ...]
-    defaults: dict[str, int] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)
     # Named sizes: a spec size may say {preset: NAME} and override single knobs beside it.
-    presets: dict[str, dict[str, int]] = field(default_factory=dict)
+    presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     datasets: tuple[str, ...] = ("digits", "cifar10", "synthetic")  # what it can train on
     divisible: tuple[tuple[str, str], ...] = ()  # (a, b): knob a must be a multiple of knob b
+    # String knobs: name -> allowed values (empty: any text).
+    text_knobs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Any other knob is passed through to the library (a config attribute, a constructor
+    # keyword); a size must then name one of `sources` (or a preset).
+    free_knobs: bool = False
+    sources: tuple[str, ...] = ()
+    exclusive: tuple[str, ...] = ()  # sources of which a size may give only one
+    # The builder also gets python_path=[spec folder, working directory] to find files.
+    locates_files: bool = False
+    # Libraries it imports when a trial builds it (for error messages and the docs).
+    needs: tuple[str, ...] = ()
 
     @property
     def knob_names(self) -> list[str]:
-        return [k.name for k in self.knobs]
+        return [k.name for k in self.knobs] + list(self.text_knobs)
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,7 @@ class DatasetInfo:
     doc: str
     loader: str  # "module:function" taking (options, seed) -> SplitData
     options: tuple[str, ...] = ()
+    locates_files: bool = False  # the loader also gets search=[spec folder, working directory]
 
 
 FAMILIES: dict[str, Family] = {
@@ -102,6 +116,36 @@ FAMILIES["gpt"] = Family(
     divisible=(("d_model", "n_head"),),
 )
 
+FAMILIES["hf"] = Family(
+    "hf",
+    "any Hugging Face transformers architecture from its config, random weights: a shipped "
+    "preset, a local config (file or folder, relative to the spec) or a model id; any other "
+    "knob overrides a config attribute",
+    "harness.workloads.hf:build",
+    (Knob("seq_len", "tokens per sample (the text or tokens dataset's window)"),),
+    {"attn_implementation": "sdpa"},
+    HF_PRESETS,
+    datasets=("text", "tokens", "hf_dataset", "digits", "cifar10", "synthetic"),
+    text_knobs={"task": TASKS, "attn_implementation": ATTENTION, "config": (), "model_id": ()},
+    free_knobs=True,
+    sources=(*SOURCES, "model_type"),
+    exclusive=SOURCES,
+    locates_files=True,
+    needs=("transformers",),
+)
+FAMILIES["timm"] = Family(
+    "timm",
+    "any timm image model by name (timm.create_model, pretrained=False); the dataset sets "
+    "num_classes, in_chans and img_size; any other knob is a create_model keyword",
+    "harness.workloads.timm_models:build",
+    (),
+    datasets=("digits", "cifar10", "synthetic", "hf_dataset"),
+    text_knobs={"name": ()},
+    free_knobs=True,
+    sources=("name",),
+    needs=("timm",),
+)
+
 DATASETS: dict[str, DatasetInfo] = {
     "digits": DatasetInfo(
         "digits",
@@ -127,15 +171,43 @@ DATASETS: dict[str, DatasetInfo] = {
         "byte-level tokens of Python's bundled pydoc_data topics (about 466 KB of English); "
         "windows of seq_len + 1 bytes, the last test_fraction of the text held out; offline",
         "harness.workloads.text:load",
-        ("test_fraction",),
+        ("test_fraction", "seq_len"),
+    ),
+    "tokens": DatasetInfo(
+        "tokens",
+        "random token ids (vocab_size, seq_len, num_samples) for pure memory/speed runs of "
+        "large-vocabulary models",
+        "harness.workloads.tokens:load",
+        ("vocab_size", "seq_len", "num_samples", "test_fraction"),
+    ),
+    "hf_dataset": DatasetInfo(
+        "hf_dataset",
+        "a Hugging Face datasets dataset from local files (parquet, json, csv or text): text "
+        "tokenized by a local tokenizer (or bytes) and packed into seq_len windows, or images "
+        "with labels; the last test_fraction held out",
+        "harness.workloads.hf_dataset:load",
+        (
+            "format",
+            "data_files",
+            "text_column",
+            "image_column",
+            "label_column",
+            "tokenizer",
+            "seq_len",
+            "test_fraction",
+        ),
+        locates_files=True,
     ),
 }
 
 
-def is_user_family(name: str) -> bool:
-    """User model code is named ``package.module:attribute``."""
+def is_user_code(name: str) -> bool:
+    """User code (a model family, a dataset, a loss) is named ``package.module:attribute``."""
     module, sep, attr = name.partition(":")
     return bool(sep and module and attr)
+
+
+is_user_family = is_user_dataset = is_user_code
 
 
 def resolve(path: str, python_path: list[str] | None = None) -> Any:
@@ -162,34 +234,61 @@ def resolve_knobs(family: str, knobs: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_workload(
-    family: str, knobs: dict[str, Any], data: Any, python_path: list[str] | None = None
+    family: str,
+    knobs: dict[str, Any],
+    data: Any,
+    python_path: list[str] | None = None,
+    loss: str | None = None,
 ) -> Any:
     """Build the family's model for the dataset described by ``data`` (a ``DataInfo``), with
     the task it trains on (``harness.workloads.task``).
 
     A family's builder returns an ``nn.Module`` that maps ``x`` to logits, or a whole
-    ``Workload``. A user family ``module:attr`` is called as ``attr(data=DataInfo, **knobs)``.
+    ``Workload``. A user family ``module:attr`` is called as ``attr(data=DataInfo, **knobs)``
+    and trains as ``UserModel`` says, with the user's ``loss`` (``module:function``) if given.
     """
-    from harness.workloads.task import Logits, Workload
+    from harness.workloads.task import Logits, UserModel, Workload
 
     if family in FAMILIES:
-        built = resolve(FAMILIES[family].builder)(data, **resolve_knobs(family, knobs))
+        known = FAMILIES[family]
+        paths = {"python_path": python_path or []} if known.locates_files else {}
+        built = resolve(known.builder)(data, **resolve_knobs(family, knobs), **paths)
+        task = Logits()
     elif is_user_family(family):
         built = resolve(family, python_path)(data=data, **knobs)
+        task = UserModel(resolve(loss, python_path) if loss else None)
     else:
         raise ValueError(f"unknown model family {family!r}")
-    return built if isinstance(built, Workload) else Workload(built, Logits())
+    return built if isinstance(built, Workload) else Workload(built, task)
 
 
-def describe_dataset(name: str, options: dict[str, Any]) -> Any:
-    """The dataset's ``DataInfo`` (shapes, classes) without loading it: what estimates need."""
+def describe_dataset(
+    name: str, options: dict[str, Any], search: list[str] | None = None, seed: int = 0
+) -> Any:
+    """The dataset's ``DataInfo`` (shapes, classes) without loading it where it can: what
+    estimates need. User data is loaded to be described."""
+    if is_user_dataset(name):
+        return load_dataset(name, options, seed, search).info
+    info = known_dataset(name)
+    paths = {"search": search or []} if info.locates_files else {}
+    return resolve(info.loader.replace(":load", ":describe"))(options, **paths)
+
+
+def load_dataset(
+    name: str, options: dict[str, Any], seed: int, search: list[str] | None = None
+) -> Any:
+    """Load the dataset's train/held-out ``SplitData`` on the CPU; ``search`` is where
+    relative paths and user code are looked for (the spec's folder, the working directory)."""
+    if is_user_dataset(name):
+        from harness.workloads.user_data import load_user_data
+
+        return load_user_data(resolve(name, search), options, seed)
+    info = known_dataset(name)
+    paths = {"search": search or []} if info.locates_files else {}
+    return resolve(info.loader)(options, seed, **paths)
+
+
+def known_dataset(name: str) -> DatasetInfo:
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
-    return resolve(DATASETS[name].loader.replace(":load", ":describe"))(options)
-
-
-def load_dataset(name: str, options: dict[str, Any], seed: int) -> Any:
-    """Load the dataset's train/held-out ``SplitData`` on the CPU."""
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
-    return resolve(DATASETS[name].loader)(options, seed)
+    return DATASETS[name]

@@ -1,7 +1,9 @@
 """Moving a model's parameters and buffers to a device / dtype / memory format, ties kept.
 
 ``nn.Module.to`` swaps tensors in a way fake tensors (the estimator's) refuse, so the trial and
-the estimator both convert through this one function: what runs is what is predicted.
+the estimator both convert through this one function: what runs is what is predicted. The
+estimator builds large tensors on the meta device (``harness.trial.fake``); converted with
+``materialize_meta`` they become tensors of the same shape on ``device`` (fake ones there).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ def convert(
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
     memory_format: torch.memory_format | None = None,
+    materialize_meta: bool = False,
 ) -> nn.Module:
     """Convert in place; floating tensors take ``dtype``; 4-D ones take ``memory_format``."""
     done: dict[int, torch.Tensor] = {}
@@ -22,7 +25,11 @@ def convert(
     def converted(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in done:
             new = tensor.detach()
-            if device is not None:
+            if materialize_meta and new.is_meta:
+                new = torch.empty_strided(
+                    new.size(), new.stride(), dtype=new.dtype, device=device or "cpu"
+                )
+            elif device is not None:
                 new = new.to(device)
             if dtype is not None and new.is_floating_point():
                 new = new.to(dtype)

@@ -1,0 +1,136 @@
+"""What fake tensors lack, supplied so that a fake training step takes the real one's path.
+
+A fake tensor has a shape, dtype and device but no values and no storage. That is all memory
+needs, except in four places, each handled here:
+
+- **Values read during a step.** A step that reads a scalar (``.item()``: Adafactor's step
+  count and parameter norm) gets 1 (``True`` for a flag) from ``ValuesReadAsOne``; the memory
+  a step allocates does not depend on those numbers.
+- **Values read while a model is built.** Constructors that compute Python numbers from
+  tensors (timm's stochastic-depth rates: ``torch.linspace(0, rate, depth)[i].item()``) would
+  get 1 there too and build a different model (``DropPath(1.0)`` where the real one has
+  ``Identity``). So the model is not built on fake tensors: ``construct_on_meta`` builds it
+  for real, with every tensor larger than ``SMALL`` elements created on the meta device (no
+  storage, free initialisation) and the small ones as real CPU tensors whose values the
+  constructor may read. ``harness.workloads.convert`` then turns both into fake tensors on the
+  trial's device. accelerate's ``init_empty_weights`` has the same aim; it allocates each
+  parameter before moving it, which an 8B model cannot afford here.
+- **Libraries that treat a fake tensor as tracing.** transformers' mask code asks
+  ``is_tracing(tensor)``, which is true for any FakeTensor, and then builds an explicit
+  causal mask where the real run passes none (which switches SDPA's GQA path off and copies
+  K/V to every head: +4-8 % on a small GQA Llama). ``libraries_run_eagerly`` makes that check
+  see the fake tensor as the eager tensor it stands for.
+- **Other ranks.** ``ddp:N``/``fsdp:N`` run rank 0 of N against torch's "fake" process group,
+  whose collectives return at once, so sharding, all-gather buffers and gradient buckets are
+  those of the real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from harness.trial.distributed import Ranks
+
+SMALL = 2**16  # elements: tensors up to this size are built for real (their values readable)
+
+# Functions that create a tensor from sizes or Python numbers, not from other tensors.
+_FACTORIES = {
+    torch.empty,
+    torch.empty_strided,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.arange,
+    torch.linspace,
+    torch.logspace,
+    torch.eye,
+    torch.Tensor.new_empty,
+    torch.Tensor.new_zeros,
+    torch.Tensor.new_ones,
+    torch.Tensor.new_full,
+}
+
+
+class ValuesReadAsOne(TorchDispatchMode):
+    """Answers a fake tensor's ``.item()`` with 1 instead of failing (see the module notes)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            if tensor.dtype == torch.bool:
+                return True
+            return 1.0 if tensor.is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+class LargeTensorsOnMeta(TorchFunctionMode):
+    """Creates every factory-made tensor of more than ``SMALL`` elements on the meta device."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _FACTORIES:
+            probe = func(*args, **{**kwargs, "device": "meta"})  # the shape, for free
+            if probe.numel() > SMALL:
+                return probe
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def construct_on_meta() -> Iterator[None]:
+    """Build a model for real (outside any fake or tracking mode), its large tensors on meta."""
+    with _disable_current_modes(), LargeTensorsOnMeta():
+        yield
+
+
+def _eager_is_tracing(original: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def is_tracing(tensor: Any = None) -> bool:
+        return original(None if isinstance(tensor, FakeTensor) else tensor)
+
+    return is_tracing
+
+
+@contextlib.contextmanager
+def libraries_run_eagerly() -> Iterator[None]:
+    """transformers' masks as in an eager run (see the module notes); nothing else changes."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "is_tracing"):
+        yield
+        return
+    original = masking.is_tracing
+    masking.is_tracing = _eager_is_tracing(original)
+    try:
+        yield
+    finally:
+        masking.is_tracing = original
+
+
+@contextlib.contextmanager
+def fake_process_group(ranks: Ranks) -> Iterator[None]:
+    """Rank 0 of ``ranks.size`` with no peers: torch's "fake" backend completes every collective
+    without communicating. Must not meet a real group (the trial predicts before joining one)."""
+    if not ranks.distributed:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a multi-rank trial must be predicted before its process group starts")
+    # Importing it registers the "fake" backend (torch's own tests and tools use it so).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks.size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
