@@ -92,6 +92,16 @@ def checkpoint_segments(blocks: list[nn.Module], per_segment: int) -> int:
     return segments
 
 
+def enable_hf_checkpointing(model: nn.Module) -> None:
+    """A transformers model's own checkpointing, non-reentrant (transformers >= 5.23 names it
+    activation checkpointing; earlier releases gradient checkpointing)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 class Checkpoint(Strategy):
     name = "checkpoint"
 
@@ -100,9 +110,7 @@ class Checkpoint(Strategy):
         where, blocks = repeated_blocks(model)
         what = f"{where}: {len(blocks)} x {type(blocks[0]).__name__}"
         if per_segment == 1 and getattr(model, "supports_gradient_checkpointing", False):
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            enable_hf_checkpointing(model)
             ctx.notes["checkpoint_blocks"] = f"{what} (transformers' gradient checkpointing)"
             ctx.notes["checkpoint_segments"] = len(blocks)
             return model

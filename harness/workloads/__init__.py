@@ -112,7 +112,7 @@ FAMILIES["gpt"] = Family(
     ),
     {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128, "tied": 1},
     GPT_PRESETS,
-    datasets=("text",),
+    datasets=("text", "tokens", "hf_dataset"),
     divisible=(("d_model", "n_head"),),
 )
 
