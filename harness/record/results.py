@@ -274,8 +274,12 @@ def tidy(frame: pd.DataFrame) -> pd.DataFrame:
     for column in frame.columns:
         if column in INT_PARAMS or column.startswith("knob_"):
             numeric = pd.to_numeric(frame[column], errors="coerce")
-            if column.startswith("knob_") and numeric.isna().any():
-                continue  # a user model's non-numeric knob stays text
+            if column.startswith("knob_"):
+                if (frame[column].notna() & numeric.isna()).any():
+                    continue  # a non-numeric knob (a name, a path) stays text
+                if not (numeric.dropna() % 1 == 0).all():
+                    frame[column] = numeric.astype("float64")  # drop_path_rate: 0.1
+                    continue
             frame[column] = numeric.astype("Int64")
         elif column in BOOL_PARAMS:
             frame[column] = frame[column].map({"True": True, "False": False}).astype("boolean")
