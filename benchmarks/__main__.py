@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from benchmarks import estimator, overhead, scale, search
+from benchmarks import allocator, estimator, overhead, scale, search
 from benchmarks.figures import Figure
 
 SUITES = {
@@ -22,6 +22,7 @@ SUITES = {
     "scale": scale.run,
     "search": search.run,
     "estimator": estimator.run,
+    "allocator": allocator.run,
 }
 
 

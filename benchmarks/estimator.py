@@ -5,8 +5,11 @@
    on how long training goes on after it, so the budget is cut to the measured steps), and its
    in-trial prediction is compared with the measured ``peak_allocated_bytes``: the worst
    ``predicted / measured`` is held to 0.9 .. 1.1.
-2. The 7B ``gpt`` preset (seq 2048, batch 1, Adam, bf16 autocast) is estimated in a fresh
-   process: wall time <= 60 s, peak RSS <= 4 GiB, model-state bytes within 1 % of the closed form.
+   The same for ``experiments/hf_llama.yaml`` and ``experiments/timm_vision.yaml``
+   (transformers and timm models).
+2. Large models are estimated in a fresh process: the 7B ``gpt`` preset and the ``hf``
+   ``llama-3.1-8b`` preset (both seq 2048, batch 1, Adam, bf16 autocast): wall time <= 60 s,
+   peak RSS <= 4 GiB (8B: <= 2 GiB), model-state bytes within 1 % of the closed form.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -30,7 +32,12 @@ from harness.sweep.launch import launch_trial
 from harness.trial.config import TrialConfig
 from harness.units import format_bytes
 
-SPECS = ("experiments/default.yaml", "experiments/gpt_memory.yaml")
+SPECS = (
+    "experiments/default.yaml",
+    "experiments/gpt_memory.yaml",
+    "experiments/hf_llama.yaml",
+    "experiments/timm_vision.yaml",
+)
 SEVEN_B = {
     "name": "bench-7b",
     "model": {"family": "gpt", "sizes": {"7b": {"preset": "7b"}}},
@@ -38,6 +45,15 @@ SEVEN_B = {
     "grid": {"batch_size": [1], "dtype": ["bf16"], "strategy": ["none"]},
     "train": {"optimizer": {"name": "adam"}, "budget": {"steps": 1}},
 }
+LLAMA_8B = {
+    "name": "bench-llama-8b",
+    "model": {"family": "hf", "sizes": {"8b": {"preset": "llama-3.1-8b", "seq_len": 2048}}},
+    "data": {"dataset": "tokens", "vocab_size": 128256},
+    "grid": {"batch_size": [1], "dtype": ["bf16"], "strategy": ["none"]},
+    "train": {"optimizer": {"name": "adam"}, "budget": {"steps": 1}},
+}
+# (figure prefix, spec, seconds target, RSS target in GiB)
+LARGE = (("7b", SEVEN_B, 60, 4), ("llama_8b", LLAMA_8B, 60, 2))
 
 
 def measured_only(config: TrialConfig) -> TrialConfig:
@@ -107,40 +123,43 @@ def prediction_accuracy(log: Callable[[str], None], workdir: Path) -> list[Figur
     return figures
 
 
-def seven_b(log: Callable[[str], None], workdir: Path) -> list[Figure]:
-    config = trial_configs(parse_spec(SEVEN_B))[0]
-    request, answer = workdir / "7b-in.json", workdir / "7b-out.json"
+def large_model(
+    name: str, spec: dict[str, Any], seconds_target: float, rss_target: float,
+    log: Callable[[str], None], workdir: Path,
+) -> list[Figure]:  # fmt: skip
+    config = trial_configs(parse_spec(spec))[0]
+    request, answer = workdir / f"{name}-in.json", workdir / f"{name}-out.json"
     request.write_text(json.dumps({"device": "cpu", "configs": [config.to_dict()]}))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     started = time.perf_counter()
-    subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
-        check=True,
         stdout=subprocess.DEVNULL,
     )
+    _, status, usage = os.wait4(process.pid, 0)  # this child's own resource usage
+    process.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - started
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
-    if rss <= before * 1024:
-        log("  (peak RSS of the estimate is bounded by an earlier, larger child process)")
+    if process.returncode:
+        raise RuntimeError(f"the {name} estimate exited with {process.returncode}")
+    rss = usage.ru_maxrss * 1024  # KiB on Linux
     row = json.loads(answer.read_text())[0]
     state, closed = row["predicted_model_state_bytes"], row["closed_form_model_state_bytes"]
     log(
-        f"  7B: {seconds:.1f} s ({row['estimate_seconds']:.1f} s after imports), peak RSS {format_bytes(rss)}, predicted peak "
+        f"  {name}: {seconds:.1f} s ({row['estimate_seconds']:.1f} s after imports), peak RSS {format_bytes(rss)}, predicted peak "
         f"{format_bytes(row['predicted_peak_bytes'])}, model state {format_bytes(state)} "
         f"vs closed form {format_bytes(closed)}"
     )
     return [
         at_most(
-            "estimate_7b_seconds",
+            f"estimate_{name}_seconds",
             seconds,
-            60,
+            seconds_target,
             "s",
             note="wall time of a fresh `python -m harness.trial.estimate` (imports included)",
             estimate_only_seconds=row["estimate_seconds"],
         ),
-        at_most("estimate_7b_peak_rss_gib", rss / 2**30, 4, "GiB"),
+        at_most(f"estimate_{name}_peak_rss_gib", rss / 2**30, rss_target, "GiB"),
         within(
-            "estimate_7b_model_state_vs_closed_form",
+            f"estimate_{name}_model_state_vs_closed_form",
             state / closed,
             0.99,
             1.01,
@@ -153,8 +172,10 @@ def seven_b(log: Callable[[str], None], workdir: Path) -> list[Figure]:
 def run(log: Callable[[str], None]) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as folder:
         workdir = Path(folder)
-        log("estimator: 7B preset in a fresh process")
-        figures = seven_b(log, workdir)
+        figures = []
+        for name, spec, seconds, rss in LARGE:
+            log(f"estimator: {name} in a fresh process")
+            figures += large_model(name, spec, seconds, rss, log, workdir)
         log("estimator: predicted vs measured peak, every trial of the shipped experiments")
         figures += prediction_accuracy(log, workdir)
     return figures

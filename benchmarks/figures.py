@@ -32,3 +32,8 @@ def at_least(name: str, value: float, limit: float, unit: str, **detail: Any) ->
 
 def within(name: str, value: float, low: float, high: float, **detail: Any) -> Figure:
     return Figure(name, value, f"{low:g} .. {high:g}", low <= value <= high, "", detail)
+
+
+def reported(name: str, value: float, unit: str = "", **detail: Any) -> Figure:
+    """A figure with no target: measured and shown, for the reader to judge."""
+    return Figure(name, value, "reported", None, unit, detail)

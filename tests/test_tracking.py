@@ -144,3 +144,19 @@ def test_long_loss_histories_are_kept_as_bucket_means():
     assert curve[0] == (3, 1.5) and curve[-1] == (1999, 1997.5)  # mean of steps 0-3, 1996-1999
     uneven = loss_curve([1.0] * 1001, points=500)
     assert len(uneven) == 500 and uneven[-1][0] == 1000 and {v for _, v in uneven} == {1.0}
+
+
+def test_knobs_keep_their_kind_when_sizes_differ(store, base_spec):
+    """A float knob (drop_path_rate: 0.1) is float64, an integer knob that one size lacks is
+    still Int64, a name stays text: load() cast them all to Int64 once and crashed."""
+    uri, tracker, parent, folder = store
+    base_spec["model"] = {
+        "family": "user_models:anything",
+        "sizes": {"a": {"rate": 0.1, "depth": 2, "kind": "wide"}, "b": {"rate": 0.5}},
+    }
+    for index, config in enumerate(trial_configs(parse_spec(base_spec))):
+        record(tracker, parent, folder / f"t{index}", config)
+    frame = load("exp", uri).set_index("model_size")
+    assert str(frame["knob_rate"].dtype) == "float64" and frame.loc["a", "knob_rate"] == 0.1
+    assert str(frame["knob_depth"].dtype) == "Int64" and frame["knob_depth"].isna().sum() == 1
+    assert frame.loc["a", "knob_kind"] == "wide"
