@@ -7,6 +7,7 @@ before training equals the peak the memory window measured (the same tensor acco
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -15,9 +16,9 @@ import torch
 from harness.spec import SpecError, parse_spec, trial_configs
 from harness.trial.fake import construct_on_meta, libraries_run_eagerly
 from harness.trial.run import run_trial
-from harness.workloads import build_workload
+from harness.workloads import build_workload, load_dataset
 from harness.workloads.hf_presets import HF_PRESETS, PUBLISHED_PARAMS
-from harness.workloads.tensors import DataInfo
+from harness.workloads.tensors import DataInfo, take
 from tests.conftest import BASE_SPEC, copy_fixture, run_cli, write_spec
 
 pytest.importorskip("transformers")
@@ -232,3 +233,45 @@ def test_an_hf_sweep_and_its_estimate_through_the_cli(tmp_path):
     assert frame.loc[0, "status"] == "ok"
     assert frame.loc[0, "predicted_peak_bytes"] == row["predicted_peak_bytes"]
     assert frame.loc[0, "prediction_ratio"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_strategies_apply_to_an_hf_model():
+    """Each CPU strategy on a transformers Llama: ok, and exactly predicted where predicted."""
+    strategies = ["accumulate:2", "bf16_params", "adafactor", "keep_grads", "quantize_int8"]
+    results = run_all(spec_for("hf", SMALL_LLAMA, strategies=strategies))
+    assert all(exact(r) for r in results.values())
+    int8 = results["quantize_int8"].metrics
+    assert int8["int8_linear_weight_bytes"] < int8["float_linear_weight_bytes"] / 3
+    assert 0 <= int8["int8_accuracy"] <= 1
+
+
+def test_an_hf_step_holds_its_outputs_through_backward_as_a_training_script_does():
+    """The optimistic loop (logits freed before backward) would report less than a Hugging
+    Face script holds: the harness keeps ``outputs`` alive, so the peak includes the logits."""
+    from harness.meters.memory import MemoryWindow
+    from harness.trial.distributed import Ranks
+    from harness.trial.setup import build_setup
+    from harness.workloads.hf import HuggingFace
+
+    class FreesOutputs(HuggingFace):
+        def forward(self, model, batch):
+            return super().forward(model, batch)[0], None
+
+    size = {**SMALL_LLAMA, "vocab_size": 4096}
+    config = trial_configs(parse_spec(spec_for("hf", size)))[0]
+    data = load_dataset(config.dataset, config.dataset_options, 0)
+
+    def peak(task):
+        torch.manual_seed(0)
+        setup = build_setup(config, torch.device("cpu"), Ranks(), data.info, data)
+        setup = dataclasses.replace(setup, task=task)
+        batch = setup.to_device(take(data.train, slice(0, 8)))
+        setup.train_step(batch)
+        window = MemoryWindow(setup.device, setup.model, setup.optimizer, list(batch.values()))
+        with window:
+            setup.train_step(batch, on_micro_batch=window.micro_batch_done)
+        return window.reading.peak_allocated_bytes
+
+    held, freed = peak(HuggingFace("causal-lm")), peak(FreesOutputs("causal-lm"))
+    logits = 8 * 32 * 4096 * 4  # batch x tokens x vocabulary, fp32
+    assert held - freed >= logits * 0.9

@@ -45,8 +45,6 @@ class Family:
     exclusive: tuple[str, ...] = ()  # sources of which a size may give only one
     # The builder also gets python_path=[spec folder, working directory] to find files.
     locates_files: bool = False
-    # Libraries it imports when a trial builds it (for error messages and the docs).
-    needs: tuple[str, ...] = ()
 
     @property
     def knob_names(self) -> list[str]:
@@ -131,7 +129,6 @@ FAMILIES["hf"] = Family(
     sources=(*SOURCES, "model_type"),
     exclusive=SOURCES,
     locates_files=True,
-    needs=("transformers",),
 )
 FAMILIES["timm"] = Family(
     "timm",
@@ -143,7 +140,6 @@ FAMILIES["timm"] = Family(
     text_knobs={"name": ()},
     free_knobs=True,
     sources=("name",),
-    needs=("timm",),
 )
 
 DATASETS: dict[str, DatasetInfo] = {
