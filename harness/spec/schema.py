@@ -44,7 +44,6 @@ from harness.workloads import (
     Family,
     is_user_code,
     is_user_dataset,
-    is_user_family,
     resolve_knobs,
 )
 from harness.workloads.hf_presets import HF_DATASET_FORMATS
@@ -58,6 +57,13 @@ class Strict(BaseModel):
 
 
 # ---- sections ------------------------------------------------------------------------------
+
+
+def known_or_user_code(kind: str, name: str, registry: dict[str, Any], yours: str) -> str:
+    """A registered name, or ``package.module:attr`` naming the user's own code."""
+    if is_user_code(name):
+        return name
+    return require_known(kind, name, registry, f"or package.module:attr for {yours}")
 
 
 def _user_code(value: str | None) -> str | None:
@@ -75,9 +81,7 @@ class ModelSpec(Strict):
     @field_validator("family")
     @classmethod
     def known_family(cls, family: str) -> str:
-        if is_user_family(family):
-            return family
-        return require_known("model family", family, FAMILIES, "or module:attr for your own code")
+        return known_or_user_code("model family", family, FAMILIES, "your own code")
 
     @model_validator(mode="after")
     def known_knobs(self) -> ModelSpec:
@@ -181,9 +185,7 @@ class DataSpec(Strict):
     @field_validator("dataset")
     @classmethod
     def known_dataset(cls, name: str) -> str:
-        if is_user_dataset(name):
-            return name
-        return require_known("dataset", name, DATASETS, "or module:function for your own data")
+        return known_or_user_code("dataset", name, DATASETS, "your own data")
 
     def used_options(self) -> tuple[str, ...]:
         if is_user_dataset(self.dataset):
