@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harness.workloads.hf_presets import ATTENTION, HF_PRESETS, SOURCES, TASKS
@@ -204,6 +205,15 @@ def is_user_code(name: str) -> bool:
 
 
 is_user_family = is_user_dataset = is_user_code
+
+
+def find_file(path: str, search: list[str], what: str) -> str:
+    """``path`` as given (absolute, or from the working directory), else relative to each of
+    ``search`` (the spec's folder first): where a spec's files are looked for."""
+    for candidate in [Path(path)] + [Path(folder) / path for folder in search]:
+        if candidate.exists():
+            return str(candidate)
+    raise FileNotFoundError(f"{what} {path!r} not found (looked in: {', '.join(search)})")
 
 
 def resolve(path: str, python_path: list[str] | None = None) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.workloads import find_file
 from harness.workloads.hf_presets import HARNESS_KNOBS
 from harness.workloads.task import Task, Workload, count_correct
 from harness.workloads.tensors import INPUTS, TARGETS, Batch, DataInfo
@@ -45,22 +46,13 @@ def import_transformers() -> Any:
     return transformers
 
 
-def find_file(path: str, search: list[str]) -> Path:
-    """``path`` as given, else relative to the spec's folder (the first of ``search``)."""
-    candidates = [Path(path)] + [Path(folder) / path for folder in search]
-    for candidate in candidates:
-        if candidate.exists():
-            return candidate
-    raise FileNotFoundError(f"hf config {path!r} not found (looked in: {', '.join(search)})")
-
-
 def load_config(knobs: dict[str, Any], search: list[str]) -> Any:
     """The config the knobs describe: preset attributes (already merged into the knobs), a
     local config file or directory, or a model id; then the overrides."""
     transformers = import_transformers()
     overrides = {k: v for k, v in knobs.items() if k not in HARNESS_KNOBS}
     if "config" in knobs:
-        found = find_file(str(knobs["config"]), search)
+        found = Path(find_file(str(knobs["config"]), search, "hf config"))
         if found.is_file():
             values = json.loads(found.read_text())
             config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)

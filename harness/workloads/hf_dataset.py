@@ -19,11 +19,11 @@ Nothing is cached on disk (the data is read into memory, like every dataset here
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from harness.workloads import find_file
 from harness.workloads.tensors import INPUTS, TARGETS, DataInfo, SplitData, split
 from harness.workloads.text import windows
 
@@ -39,13 +39,6 @@ def _import(name: str) -> Any:
         ) from None
 
 
-def locate(path: str, search: list[str]) -> str:
-    for candidate in [Path(path)] + [Path(folder) / path for folder in search]:
-        if candidate.exists():
-            return str(candidate)
-    raise FileNotFoundError(f"hf_dataset: {path!r} not found (looked in: {', '.join(search)})")
-
-
 def read_rows(options: dict[str, Any], search: list[str]) -> Any:
     datasets = _import("datasets")
     datasets.disable_progress_bars()
@@ -56,7 +49,7 @@ def read_rows(options: dict[str, Any], search: list[str]) -> Any:
     with tempfile.TemporaryDirectory() as cache:
         return datasets.load_dataset(
             options.get("format") or "parquet",
-            data_files=[locate(f, search) for f in files],
+            data_files=[find_file(f, search, "hf_dataset file") for f in files],
             split="train",
             cache_dir=cache,
             keep_in_memory=True,
@@ -68,7 +61,7 @@ def tokenizer_for(options: dict[str, Any], search: list[str]) -> Any:
     if name == BYTES:
         return None
     transformers = _import("transformers")
-    return transformers.AutoTokenizer.from_pretrained(locate(name, search))
+    return transformers.AutoTokenizer.from_pretrained(find_file(name, search, "tokenizer"))
 
 
 def vocabulary(tokenizer: Any) -> int:
