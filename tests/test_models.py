@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -275,3 +276,14 @@ def test_an_hf_step_holds_its_outputs_through_backward_as_a_training_script_does
     held, freed = peak(HuggingFace("causal-lm")), peak(FreesOutputs("causal-lm"))
     logits = 8 * 32 * 4096 * 4  # batch x tokens x vocabulary, fp32
     assert held - freed >= logits * 0.9
+
+
+@pytest.mark.parametrize(("family", "size", "package"), [
+    ("hf", {"preset": "gpt2"}, "transformers"),
+    ("timm", {"name": "resnet18"}, "timm"),
+])  # fmt: skip
+def test_a_missing_ecosystem_package_is_one_line_naming_it(monkeypatch, family, size, package):
+    monkeypatch.setitem(sys.modules, package, None)  # what `import` sees where it is absent
+    info = DataInfo((3, 32, 32), 10) if family == "timm" else DataInfo((16,), 256, 16)
+    with pytest.raises(RuntimeError, match=rf"^model family {family} needs {package} \(pip"):
+        build_workload(family, size, info)
