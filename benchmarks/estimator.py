@@ -52,6 +52,21 @@ LLAMA_8B = {
     "grid": {"batch_size": [1], "dtype": ["bf16"], "strategy": ["none"]},
     "train": {"optimizer": {"name": "adam"}, "budget": {"steps": 1}},
 }
+# `python -m harness.trial.estimate IN OUT`, then the process's own peak RSS into a file.
+# VmHWM, not getrusage: ru_maxrss is inherited from the parent (the bench, gigabytes by then)
+# across fork and exec, while VmHWM belongs to the new address space exec makes.
+OWN_PEAK_RSS = """
+import runpy, sys
+peak_file = sys.argv.pop(1)
+sys.argv[0] = "harness.trial.estimate"
+try:
+    runpy.run_module("harness.trial.estimate", run_name="__main__")
+except SystemExit as done:
+    if done.code:
+        raise
+status = open("/proc/self/status").read().split("VmHWM:")[1].split()
+open(peak_file, "w").write(str(int(status[0]) * 1024))
+"""
 # (figure prefix, spec, seconds target, RSS target in GiB)
 LARGE = (("7b", SEVEN_B, 60, 4), ("llama_8b", LLAMA_8B, 60, 2))
 
@@ -130,17 +145,15 @@ def large_model(
     config = trial_configs(parse_spec(spec))[0]
     request, answer = workdir / f"{name}-in.json", workdir / f"{name}-out.json"
     request.write_text(json.dumps({"device": "cpu", "configs": [config.to_dict()]}))
+    peak_file = workdir / f"{name}-rss"
     started = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
+    subprocess.run(
+        [sys.executable, "-c", OWN_PEAK_RSS, str(peak_file), str(request), str(answer)],
+        check=True,
         stdout=subprocess.DEVNULL,
     )
-    _, status, usage = os.wait4(process.pid, 0)  # this child's own resource usage
-    process.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - started
-    if process.returncode:
-        raise RuntimeError(f"the {name} estimate exited with {process.returncode}")
-    rss = usage.ru_maxrss * 1024  # KiB on Linux
+    rss = int(peak_file.read_text())
     row = json.loads(answer.read_text())[0]
     state, closed = row["predicted_model_state_bytes"], row["closed_form_model_state_bytes"]
     log(
