@@ -43,7 +43,6 @@ from harness.workloads import (
     FAMILIES,
     Family,
     is_user_code,
-    is_user_dataset,
     resolve_knobs,
 )
 from harness.workloads.hf_presets import HF_DATASET_FORMATS
@@ -188,7 +187,7 @@ class DataSpec(Strict):
         return known_or_user_code("dataset", name, DATASETS, "your own data")
 
     def used_options(self) -> tuple[str, ...]:
-        if is_user_dataset(self.dataset):
+        if is_user_code(self.dataset):
             return USER_DATA_OPTIONS
         return DATASETS[self.dataset].options
 
@@ -394,7 +393,7 @@ class Spec(Strict):
     @model_validator(mode="after")
     def axes_fit_together(self) -> Spec:
         family = FAMILIES.get(self.model.family)
-        user_data = is_user_dataset(self.data.dataset)
+        user_data = is_user_code(self.data.dataset)
         if family is not None and not user_data and self.data.dataset not in family.datasets:
             raise FieldProblem(
                 ["data", "dataset"],

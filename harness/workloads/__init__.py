@@ -204,9 +204,6 @@ def is_user_code(name: str) -> bool:
     return bool(sep and module and attr)
 
 
-is_user_family = is_user_dataset = is_user_code
-
-
 def find_file(path: str, search: list[str], what: str) -> str:
     """``path`` as given (absolute, or from the working directory), else relative to each of
     ``search`` (the spec's folder first): where a spec's files are looked for."""
@@ -260,7 +257,7 @@ def build_workload(
         paths = {"python_path": python_path or []} if known.locates_files else {}
         built = resolve(known.builder)(data, **resolve_knobs(family, knobs), **paths)
         task = Logits()
-    elif is_user_family(family):
+    elif is_user_code(family):
         built = resolve(family, python_path)(data=data, **knobs)
         task = UserModel(resolve(loss, python_path) if loss else None)
     else:
@@ -273,7 +270,7 @@ def describe_dataset(
 ) -> Any:
     """The dataset's ``DataInfo`` (shapes, classes) without loading it where it can: what
     estimates need. User data is loaded to be described."""
-    if is_user_dataset(name):
+    if is_user_code(name):
         return load_dataset(name, options, seed, search).info
     info = known_dataset(name)
     paths = {"search": search or []} if info.locates_files else {}
@@ -285,7 +282,7 @@ def load_dataset(
 ) -> Any:
     """Load the dataset's train/held-out ``SplitData`` on the CPU; ``search`` is where
     relative paths and user code are looked for (the spec's folder, the working directory)."""
-    if is_user_dataset(name):
+    if is_user_code(name):
         from harness.workloads.user_data import load_user_data
 
         return load_user_data(resolve(name, search), options, seed)
