@@ -17,6 +17,8 @@ METRICS: dict[str, str] = {
     "mem_other_bytes": "breakdown at the peak: the rest (inputs, backward and optimizer-step "
     "temporaries, buffers, untracked allocations)",
     "num_params": "trainable parameters of the model as built for the trial",
+    "num_params_total": "all parameters of the model as built, frozen ones included (a LoRA "
+    "base); equals num_params when nothing is frozen",
     "throughput": "samples/s, median over the timed steps, device synchronised",
     "step_time_ms_p50": "median timed-step latency in milliseconds",
     "step_time_ms_p90": "90th-percentile timed-step latency in milliseconds",
@@ -47,6 +49,11 @@ METRICS: dict[str, str] = {
     "int8_peak_inference_bytes": "quantize_int8: peak memory of held-out inference, int8 model on CPU",
     "int8_accuracy": "quantize_int8: held-out accuracy of the int8 model",
     "compile_time_s": "compile: seconds the first (compiling) training step took",
+    "base_weight_bytes": "lora/qlora: stored bytes of the frozen base (every frozen parameter)",
+    "block_linear_weight_bytes": "lora/qlora: stored bytes of the frozen Linear weights inside "
+    "the repeated blocks (NF4 codes and scales under qlora)",
+    "block_linear_bytes_per_param": "lora/qlora: block_linear_weight_bytes per parameter "
+    "(2 in bf16, ~0.52 in NF4)",
 }
 
 # The breakdown at the peak: five categories that add up to peak_allocated_bytes, in stacking

@@ -57,13 +57,27 @@ def parse_seconds(text: str | int | float) -> float:
     return seconds
 
 
-def format_bytes(num: float | None) -> str:
-    """Render bytes with a binary unit, e.g. ``1.5 MiB``; ``-`` when unknown."""
+def format_bytes(num: float | None, short: bool = False) -> str:
+    """Render bytes with a binary unit, e.g. ``1.50 MiB`` (``short``: three significant
+    digits, ``1.5 MiB``, ``123 GiB``, for narrow tables); ``-`` when unknown."""
     if num is None or num != num:  # None or NaN
         return "-"
     value = float(num)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+            if unit == "B":
+                return f"{value:.0f} {unit}"
+            return f"{value:.3g} {unit}" if short else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_count(num: float | None) -> str:
+    """A count in decimal units as parameter counts are published, e.g. ``8.03 B``, ``41.9 M``."""
+    if num is None or num != num:
+        return "-"
+    value = float(num)
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f}"

@@ -110,6 +110,16 @@ INVALID = [
     ("prune:1.5", "fp32", "between 0 and 1"),
     ("accumulate:x", "fp32", "must be an integer"),
     (["none", "checkpoint"], "fp32", "'none' cannot be combined"),
+    ("fsdp_mixed", "fp32", "'fsdp_mixed' modifies 'fsdp': combine them, e.g. [fsdp:2, fsdp_mixed]"),
+    (["fsdp:2", "fsdp_offload"], "fp32", "'fsdp_offload' needs device cuda"),
+    (
+        ["lora:8", "qlora:8"],
+        "bf16",
+        "'lora' and 'qlora' cannot be combined: both choose the adapters",
+    ),
+    (["sac", "checkpoint"], "fp32", "'sac' and 'checkpoint' cannot be combined"),
+    (["qlora:8", "fsdp:2"], "bf16", "'qlora' and 'fsdp' cannot be combined"),
+    ("lora", "fp32", "strategy 'lora' needs an argument: lora:<rank>"),
 ]
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
 from harness.spec import load_spec, points
-from harness.units import format_bytes
+from harness.units import format_bytes, format_count
 
 
 @click.command()
@@ -54,7 +55,86 @@ def estimate(spec_path: Path, fmt: str, device: str) -> None:
     elif fmt == "json":
         click.echo(frame.to_json(orient="records", indent=1))
     else:
-        shown = frame.drop(columns=["trial_key"])
-        for column in [c for c in shown.columns if c.endswith("_bytes")]:
-            shown[column] = shown[column].map(format_bytes)
-        click.echo(shown.to_string(index=False))
+        show_estimate(frame, spec, target)
+
+
+# The table's columns (csv/json keep every column under its full name): short headings, bytes
+# with units; what is the same on every row is said once under the table.
+TABLE_COLUMNS = {
+    "model_size": "size",
+    "batch_size": "batch",
+    "dtype": "dtype",
+    "strategy": "strategy",
+    "predicted_peak_bytes": "peak",
+    "predicted_mem_param_bytes": "params",
+    "predicted_mem_grad_bytes": "grads",
+    "predicted_mem_optim_bytes": "optim",
+    "predicted_mem_activation_bytes": "activ.",
+    "predicted_mem_other_bytes": "other",
+    "predicted_model_state_bytes": "model\nstate",
+    "closed_form_model_state_bytes": "closed\nform",
+    "korthikanti_activation_bytes": "Korthikanti",
+    "num_params": "trainable",
+    "fits": "fits",
+    "estimate_seconds": "time",
+}
+
+
+def show_estimate(frame: Any, spec: Any, target: str) -> None:
+    """The estimate as a table people read: a column per part of the breakdown, the axes that
+    do not vary named once in the title, why a row has no prediction in a note under it."""
+    from rich import box
+    from rich.table import Table
+
+    from harness.cli.common import make_console
+
+    columns = [c for c in TABLE_COLUMNS if c in frame.columns]
+    fixed = [c for c in ("model_size", "batch_size", "dtype") if frame[c].nunique() == 1]
+    columns = [c for c in columns if c not in fixed]
+    where = ", ".join(f"{TABLE_COLUMNS[c]} {frame[c].iloc[0]}" for c in fixed)
+    budget = format_bytes(spec.device_memory, short=True) if spec.device_memory else ""
+    table = Table(
+        title=f"{spec.experiment}: predicted peak memory on {target}, nothing run ({where})",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for column in columns:
+        left = column in ("model_size", "dtype", "strategy")
+        heading = TABLE_COLUMNS[column] + (f"\n{budget}" if column == "fits" else "")
+        table.add_column(heading, justify="left" if left else "right", no_wrap=True)
+    reasons: list[str] = []
+    for _, row in frame.iterrows():
+        cells = [estimate_cell(column, row[column]) for column in columns]
+        why = [row[c] for c in ("refused", "unpredictable") if isinstance(row.get(c), str)]
+        if why:
+            reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {'; '.join(why)}")
+            cells[columns.index("strategy")] += f" [{len(reasons)}]"
+        table.add_row(*cells)
+    console = make_console()
+    console.print(table)
+    console.print(
+        "peak = params + grads + optim + activ. + other at the step's worst moment; model state "
+        "= parameters + gradients + optimizer state as built; closed form = the same from "
+        "textbook bytes per parameter; trainable = parameters that get gradients",
+        highlight=False,
+    )
+    for reason in reasons:
+        console.print(f"not predicted {reason}", highlight=False)
+    for note in sorted({n for n in frame.get("note", []) if isinstance(n, str)}):
+        console.print(f"prediction: {note}", highlight=False)
+
+
+def estimate_cell(column: str, value: Any) -> str:
+    import pandas as pd
+
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return "-"
+    if column.endswith("_bytes"):
+        return format_bytes(value, short=True)
+    if column == "num_params":
+        return format_count(value)
+    if column == "fits":
+        return "yes" if value else "NO"
+    if column == "estimate_seconds":
+        return f"{value:.1f} s"
+    return str(value)

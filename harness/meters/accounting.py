@@ -64,6 +64,26 @@ class PeakTracker(MemTracker):
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
+    def _track_module_params_and_buffers(
+        self, module: torch.nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        """As ``MemTracker``'s, but gradient hooks only on parameters that get gradients:
+        ``MemTracker`` hooks every parameter, and a frozen one (a LoRA base) refuses hooks."""
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._track_gradient),
+                        param.register_post_accumulate_grad_hook(
+                            lambda p: self._track_gradient(p.grad)
+                        ),
+                    )
+        return memory
+
+    def _track_gradient(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
 
 _round_every_device = False  # set by cuda_accounting()
 

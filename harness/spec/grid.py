@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.spec.schema import Spec
+from harness.strategies import STRATEGIES, parse_term
 from harness.trial.config import TrialConfig
 
 
@@ -41,10 +42,16 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         device=spec.device,
         device_memory_bytes=spec.device_memory,
         model_loss=spec.model.loss,
+        lora=spec.train.lora.model_dump() if uses_adapters(point["strategy"]) else None,
         python_path=[spec_dir, str(Path.cwd())],
         run_infeasible=spec.limits.run_infeasible,
         timeline=spec.measure.timeline,
     )
+
+
+def uses_adapters(strategy: str) -> bool:
+    """Whether a grid point's strategy reads ``train.lora``."""
+    return any(STRATEGIES[parse_term(term)[0]].group == "adapters" for term in strategy.split("+"))
 
 
 def trial_configs(spec: Spec) -> list[TrialConfig]:

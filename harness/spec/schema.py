@@ -285,8 +285,19 @@ class BudgetSpec(Strict):
         )
 
 
+class LoraSpec(Strict):
+    """Settings of the lora/qlora strategies (their rank is the strategy's argument)."""
+
+    alpha: PositiveFloat | None = None  # None: the rank (adapter scaling alpha/r = 1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Module names, or name suffixes (q_proj, mlp.fc1); None: every Linear of the repeated blocks.
+    targets: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    base_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: the dtype axis'
+
+
 class TrainSpec(Strict):
     optimizer: OptimizerSpec = OptimizerSpec()
+    lora: LoraSpec = LoraSpec()
     budget: BudgetSpec = BudgetSpec(epochs=1)
     seed: int = Field(0, ge=0)
 

@@ -30,6 +30,7 @@ class StrategyInfo:
     families: tuple[str, ...] | None = None  # None: every family
     bad_dtypes: tuple[str, ...] = ()  # dtype-axis values it cannot combine with
     conflicts: tuple[str, ...] = ()
+    requires: str | None = None  # a strategy it modifies, which must be in the combination
     splits_batch: bool = False  # the argument must divide every batch size
 
 
@@ -56,6 +57,44 @@ STRATEGIES: dict[str, StrategyInfo] = {
             arg="blocks per segment",
             arg_type=int,
             arg_optional=True,
+        ),
+        _info(
+            "sac",
+            "selective activation checkpointing (PyTorch's policy API): each block's matmul, "
+            "attention and convolution outputs are kept, the cheap ops between them recomputed "
+            "in backward. Activation memory between none and checkpoint, less extra compute "
+            "than checkpoint",
+            "selective",
+            "SelectiveCheckpoint",
+            conflicts=("checkpoint",),
+        ),
+        _info(
+            "lora",
+            "LoRA adapters of rank R (peft) on every Linear of the repeated blocks, base frozen "
+            "(stored in the dtype axis' 16-bit type): gradients and optimizer state for the "
+            "adapters only; activations stay near full fine-tuning's. train.lora sets alpha, "
+            "dropout, targets, base_dtype",
+            "lora",
+            "Lora",
+            arg="rank",
+            arg_type=int,
+            group="adapters",
+            conflicts=("bf16_params", "prune", "prune_structured", "quantize_int8"),
+        ),
+        _info(
+            "qlora",
+            "LoRA of rank R over a 4-bit base: the blocks' frozen Linear weights in NF4 with "
+            "double-quantized blockwise scales (torchao NF4Tensor, ~0.52 B/param instead of 2), "
+            "dequantized one layer at a time for compute; embeddings, norms, LM head in the "
+            "base dtype",
+            "lora",
+            "QLora",
+            arg="rank",
+            arg_type=int,
+            group="adapters",
+            # torchao's NF4 sharding needs every inner tensor divisible by the ranks; not
+            # measured here, so refused rather than left to crash mid-trial.
+            conflicts=("bf16_params", "prune", "prune_structured", "quantize_int8", "fsdp"),
         ),
         _info(
             "accumulate",
@@ -210,6 +249,24 @@ STRATEGIES: dict[str, StrategyInfo] = {
             group="parallel",
             splits_batch=True,
         ),
+        _info(
+            "fsdp_mixed",
+            "with fsdp:N, FSDP2's MixedPrecisionPolicy: parameters all-gathered and computed in "
+            "bf16 (half the gathered bytes and traffic), gradients reduced in fp32",
+            "parallel",
+            "FsdpMixed",
+            requires="fsdp",
+        ),
+        _info(
+            "fsdp_offload",
+            "with fsdp:N, FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer "
+            "state in pinned host memory, optimizer step on the CPU; the device holds only the "
+            "parameters gathered in flight. CUDA only",
+            "parallel",
+            "FsdpOffload",
+            requires="fsdp",
+            devices=("cuda",),
+        ),
     ]
 }
 
@@ -270,6 +327,12 @@ def canonical(terms: list[str]) -> list[str]:
                 )
             if second in a.conflicts or first in b.conflicts:
                 raise ValueError(f"{first!r} and {second!r} cannot be combined")
+    for name in names:
+        needed = STRATEGIES[name].requires
+        if needed is not None and needed not in names:
+            raise ValueError(
+                f"{name!r} modifies {needed!r}: combine them, e.g. [{needed}:2, {name}]"
+            )
     return [str(term).strip() for term in terms]
 
 

@@ -6,6 +6,8 @@ A strategy overrides only the hooks it needs, so strategies compose by being app
 1. ``environment()`` - before anything touches CUDA (allocator settings).
 2. ``prepare_model(model, ctx)`` - after the model is built and moved to the device, before
    the optimizer exists (checkpointing, low-precision parameters, pruning, compilation).
+   ``shard_options()`` - asked before that: arguments other strategies add to FSDP's
+   ``fully_shard`` (``fsdp_mixed``'s mixed-precision policy, ``fsdp_offload``'s CPU offload).
 3. ``optimizer(spec, ctx)`` - may replace the optimizer spec (sgd, adafactor, ...).
 4. ``prepare_batch(x)`` - each floating-point tensor of a batch, once on the device (memory
    format, dtype).
@@ -16,6 +18,7 @@ A strategy overrides only the hooks it needs, so strategies compose by being app
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +41,12 @@ class TrialContext:
     data: Any  # harness.workloads.tensors.SplitData (CPU tensors); None while estimating
     batch_size: int
     task: Any = None  # harness.workloads.task.Task: how the model is called and scored
+    lora: Mapping[str, Any] = field(default_factory=dict)  # the spec's train.lora (lora, qlora)
+    # What the strategies' shard_options() asked of fully_shard (fsdp reads it).
+    shard_options: dict[str, Any] = field(default_factory=dict)
+    # How a strategy builds new modules (adapters): as the model was built, so while estimating
+    # for real with the large tensors on meta (harness.trial.fake.construct_on_meta).
+    construction: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -57,6 +66,9 @@ class Strategy:
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         return model
+
+    def shard_options(self, ctx: TrialContext) -> dict[str, Any]:
+        return {}
 
     def optimizer(self, spec: dict[str, Any], ctx: TrialContext) -> dict[str, Any]:
         return spec

@@ -55,8 +55,9 @@ def _pass_through(*args: Any, **kwargs: Any) -> Any:
     return args[0]
 
 
-def checkpoint_segments(blocks: list[nn.Module], per_segment: int) -> int:
+def checkpoint_segments(blocks: list[nn.Module], per_segment: int, **options: Any) -> int:
     """Checkpoint consecutive runs of ``per_segment`` blocks; returns the number of segments.
+    ``options`` go to ``torch.utils.checkpoint.checkpoint`` (``sac``'s ``context_fn``).
 
     The first block of a segment runs the whole segment under ``checkpoint``; the others pass
     their input through when their parent calls them (the segment ran them already, through
@@ -85,17 +86,17 @@ def checkpoint_segments(blocks: list[nn.Module], per_segment: int) -> int:
                     block.forward = _pass_through
             return out
 
-        head.forward = functools.partial(checkpoint, run, use_reentrant=False)
+        head.forward = functools.partial(checkpoint, run, use_reentrant=False, **options)
         for block in rest:
             block.forward = _pass_through
         segments += 1
     return segments
 
 
-def enable_hf_checkpointing(model: nn.Module) -> None:
+def enable_hf_checkpointing(model: nn.Module, **options: Any) -> None:
     """A transformers model's own checkpointing, non-reentrant (transformers >= 5.23 names it
     activation checkpointing; earlier releases gradient checkpointing)."""
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": False, **options}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -105,15 +106,20 @@ def enable_hf_checkpointing(model: nn.Module) -> None:
 class Checkpoint(Strategy):
     name = "checkpoint"
 
+    def checkpoint_options(self) -> dict[str, Any]:
+        """Extra arguments of ``torch.utils.checkpoint.checkpoint`` (none: full recomputation)."""
+        return {}
+
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         per_segment = int(self.arg) if self.arg else 1
         where, blocks = repeated_blocks(model)
         what = f"{where}: {len(blocks)} x {type(blocks[0]).__name__}"
+        options = self.checkpoint_options()
         if per_segment == 1 and getattr(model, "supports_gradient_checkpointing", False):
-            enable_hf_checkpointing(model)
+            enable_hf_checkpointing(model, **options)
             ctx.notes["checkpoint_blocks"] = f"{what} (transformers' gradient checkpointing)"
             ctx.notes["checkpoint_segments"] = len(blocks)
             return model
         ctx.notes["checkpoint_blocks"] = what
-        ctx.notes["checkpoint_segments"] = checkpoint_segments(blocks, per_segment)
+        ctx.notes["checkpoint_segments"] = checkpoint_segments(blocks, per_segment, **options)
         return model

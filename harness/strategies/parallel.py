@@ -8,10 +8,18 @@ effective batch is the spec's ``batch_size``); these strategies only wrap the mo
 - FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state over the ranks and
   all-gathers one block's parameters at a time, so model state per rank falls to ~1/N plus one
   unsharded block in flight.
+- ``fsdp_mixed`` adds FSDP2's ``MixedPrecisionPolicy``: the sharded fp32 parameters are
+  all-gathered and computed in bf16 (half the all-gather buffers and traffic), gradients are
+  reduce-scattered in fp32. ``fsdp_offload`` adds ``CPUOffloadPolicy``: the sharded parameters,
+  their gradients and the optimizer state live in pinned host memory and the optimizer steps
+  on the CPU; the device holds only what is all-gathered in flight (CUDA only).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from harness.strategies.base import Strategy, StrategyError, TrialContext
@@ -68,7 +76,26 @@ class Fsdp(Strategy):
         except StrategyError:
             blocks = []  # no repeated blocks: shard the model as one unit
         for block in blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **ctx.shard_options)
+        fully_shard(model, mesh=mesh, **ctx.shard_options)
         ctx.notes["fsdp_units"] = len(blocks) + 1
         return model
+
+
+class FsdpMixed(Strategy):
+    name = "fsdp_mixed"
+
+    def shard_options(self, ctx: TrialContext) -> dict[str, Any]:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return {"mp_policy": policy}
+
+
+class FsdpOffload(Strategy):
+    name = "fsdp_offload"
+
+    def shard_options(self, ctx: TrialContext) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return {"offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")}

@@ -28,6 +28,7 @@ from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, st
 from harness.meters.memory import MemoryWindow
 from harness.strategies import STRATEGIES, parse_term
 from harness.strategies.base import StrategyError
+from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
 from harness.trial.fake import ValuesReadAsOne, fake_process_group, libraries_run_eagerly
@@ -85,10 +86,15 @@ def estimate_peak(
             with window:
                 for staged_batch in staged:
                     setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
-            # This rank's parameters + one gradient each + the optimizer's persistent state.
-            model_state = 2 * storage_bytes(setup.model.parameters()) + optimizer_state_bytes(
-                setup.optimizer
+            # This rank's parameters (frozen ones too) + a gradient for each trainable one +
+            # the optimizer's persistent state.
+            parameters = list(setup.model.parameters())
+            model_state = (
+                storage_bytes(parameters)
+                + storage_bytes(p for p in parameters if p.requires_grad)
+                + optimizer_state_bytes(setup.optimizer)
             )
+            nf4_params = sum(p.numel() for p in parameters if is_nf4(p))
     except StrategyError as error:  # the trial cannot run either: it ends before training
         return {"refused": str(error)}
     except Exception as error:  # data-dependent code cannot run on fake tensors
@@ -98,6 +104,8 @@ def estimate_peak(
     prediction = {"predicted_peak_bytes": reading.pop("peak_allocated_bytes")}
     prediction.update({f"predicted_{key}": value for key, value in reading.items()})
     prediction["num_params"] = float(setup.num_params)
+    prediction["num_params_total"] = float(setup.num_params_total)
+    prediction["num_params_nf4"] = float(nf4_params)
     prediction["predicted_model_state_bytes"] = model_state
     return prediction
 
@@ -126,10 +134,19 @@ def host_guard(predicted_peak: float, device: torch.device) -> str | None:
     )
 
 
-def closed_form(config: TrialConfig, num_params: float) -> dict[str, float]:
+def closed_form(config: TrialConfig, prediction: dict[str, float]) -> dict[str, float]:
     """Textbook cross-checks: model-state bytes from bytes per parameter, and (gpt) activations
     by Korthikanti et al. 2022, ``s*b*h*(34 + 5*a*s/h)`` per layer in 16-bit (full recomputation
-    keeps ~``2*s*b*h``)."""
+    keeps ~``2*s*b*h``).
+
+    Model state: each trainable parameter costs its weight and gradient (4 + 4 B in fp32) plus
+    the optimizer's state; a frozen one (lora/qlora base) only its stored bytes: 2 B in bf16,
+    and under qlora NF4's 4 bits plus one 8-bit scale per 64 values plus one fp32 scale per 256
+    scales (Dettmers et al. 2023: 0.127 bit/param) = 0.5159 B/param.
+    """
+    num_params = prediction["num_params"]
+    frozen = prediction.get("num_params_total", num_params) - num_params
+    nf4 = prediction.get("num_params_nf4", 0.0)
     names = [parse_term(t) for t in config.strategy]
     optimizer = next(
         (n for n, _ in names if STRATEGIES[n].group == "optimizer"), config.optimizer["name"]
@@ -140,7 +157,9 @@ def closed_form(config: TrialConfig, num_params: float) -> dict[str, float]:
     if any(n == "fsdp" for n, _ in names):  # per rank: a 1/N shard of everything
         scale /= config.world_size
     state = OPTIMIZER_STATE_BYTES[optimizer]
-    out = {"closed_form_model_state_bytes": num_params * (8 + state) * scale}
+    base_bytes = base_dtype(config.lora or {}, config.dtype).itemsize
+    frozen_bytes = nf4 * NF4_BYTES_PER_PARAM + (frozen - nf4) * base_bytes
+    out = {"closed_form_model_state_bytes": (num_params * (8 + state) + frozen_bytes) * scale}
     knobs = config.knobs
     if {"n_layer", "d_model", "n_head", "seq_len"} <= knobs.keys():
         s, b, h, a = knobs["seq_len"], config.batch_size, knobs["d_model"], knobs["n_head"]
@@ -186,7 +205,7 @@ def main(argv: list[str]) -> int:
         prediction = estimate_peak(config, device, as_cuda)
         row = {"trial_key": config.trial_key, **prediction, "note": device_note(config, as_cuda)}
         if "num_params" in prediction:
-            row.update(closed_form(config, prediction["num_params"]))
+            row.update(closed_form(config, prediction))
         row["estimate_seconds"] = time.perf_counter() - started
         rows.append(row)
         print(

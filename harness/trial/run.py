@@ -81,6 +81,7 @@ def train(
         setup = build_setup(config, device, ranks, data.info, data)
     measured.info.update(setup.info)
     measured.metrics["num_params"] = float(setup.num_params)
+    measured.metrics["num_params_total"] = float(setup.num_params_total)
     TrainingLoop(setup, data, measured, output_dir).run()
 
 

@@ -50,6 +50,7 @@ class Setup:
     set_to_none: bool  # how zero_grad frees gradients (keep_grads: in place)
     samples_per_step: int  # this rank's samples (tokens for sequence models) per step
     num_params: int  # trainable parameters as built
+    num_params_total: int  # all parameters, frozen ones (a LoRA base) included
     # What the trial reports about its setup (MLflow tags): optimizer name, throughput unit,
     # world size, and what strategies did (checkpoint segments, pruned parameters, ...).
     info: dict[str, Any]
@@ -126,8 +127,17 @@ def build_setup(
             config.model_family, config.knobs, data_info, config.python_path, config.model_loss
         )
     context = TrialContext(
-        device, config.dtype, config.model_family, data, config.batch_size, workload.task
+        device,
+        config.dtype,
+        config.model_family,
+        data,
+        config.batch_size,
+        workload.task,
+        lora=config.lora or {},
+        construction=construct_on_meta if estimating else contextlib.nullcontext,
     )
+    for strategy in strategies:
+        context.shard_options.update(strategy.shard_options(context))
     model = convert(workload.model, device, materialize_meta=estimating)
     for strategy in strategies:
         model = strategy.prepare_model(model, context)
@@ -158,5 +168,6 @@ def build_setup(
         set_to_none=all(s.zero_grad_set_to_none() for s in strategies),
         samples_per_step=config.batch_size // ranks.size * tokens,
         num_params=sum(p.numel() for p in trainable),
+        num_params_total=sum(p.numel() for p in model.parameters()),
         info=info,
     )

@@ -18,8 +18,11 @@ def convert(
     dtype: torch.dtype | None = None,
     memory_format: torch.memory_format | None = None,
     materialize_meta: bool = False,
+    parameters_only: bool = False,
 ) -> nn.Module:
-    """Convert in place; floating tensors take ``dtype``; 4-D ones take ``memory_format``."""
+    """Convert in place; floating tensors take ``dtype``; 4-D ones take ``memory_format``.
+    ``parameters_only``: buffers stay as they are (a LoRA base cast to bf16 keeps its fp32
+    rotary tables and running statistics)."""
     done: dict[int, torch.Tensor] = {}
 
     def converted(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,6 +48,6 @@ def convert(
                     done[id(param)] = nn.Parameter(converted(param), param.requires_grad)
                 module._parameters[name] = done[id(param)]  # type: ignore[assignment]
         for name, buffer in list(module._buffers.items()):
-            if buffer is not None:
+            if buffer is not None and not parameters_only:
                 module._buffers[name] = converted(buffer)
     return model
