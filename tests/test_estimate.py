@@ -46,7 +46,7 @@ def test_gpt_prediction_within_10_percent(strategy):
 def test_model_state_matches_the_closed_form():
     config = trial_configs(parse_spec(spec("bf16_params")))[0]
     prediction = estimate_peak(config, torch.device("cpu"))
-    expected = closed_form(config, prediction["num_params"])["closed_form_model_state_bytes"]
+    expected = closed_form(config, prediction)["closed_form_model_state_bytes"]
     # bf16 parameters and gradients, bf16 Adam moments: 8 B/param (+ fp32 step counters).
     assert prediction["predicted_model_state_bytes"] == pytest.approx(expected, rel=0.001)
 

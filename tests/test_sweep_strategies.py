@@ -29,6 +29,10 @@ CPU_STRATEGIES = [
     "compile",
     "ddp:2",
     "fsdp:2",
+    ["fsdp:2", "fsdp_mixed"],
+    "sac",
+    "lora:4",
+    "qlora:4",
     ["checkpoint", "accumulate:2", "adafactor"],
 ]
 
