@@ -5,11 +5,12 @@
    on how long training goes on after it, so the budget is cut to the measured steps), and its
    in-trial prediction is compared with the measured ``peak_allocated_bytes``: the worst
    ``predicted / measured`` is held to 0.9 .. 1.1.
-   The same for ``experiments/hf_llama.yaml`` and ``experiments/timm_vision.yaml``
-   (transformers and timm models).
+   The same for ``experiments/hf_llama.yaml``, ``experiments/timm_vision.yaml`` (transformers
+   and timm models) and ``experiments/finetune_small.yaml`` (lora, qlora, sac).
 2. Large models are estimated in a fresh process: the 7B ``gpt`` preset and the ``hf``
-   ``llama-3.1-8b`` preset (both seq 2048, batch 1, Adam, bf16 autocast): wall time <= 60 s,
-   peak RSS <= 4 GiB (8B: <= 2 GiB), model-state bytes within 1 % of the closed form.
+   ``llama-3.1-8b`` preset (both seq 2048, batch 1, Adam, bf16 autocast), the latter also with
+   ``lora:16``: wall time <= 60 s, peak RSS <= 4 GiB (8B: <= 2 GiB), model-state bytes within
+   1 % of the closed form (16 B/param; LoRA: the bf16 base + 16 B per adapter parameter).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SPECS = (
     "experiments/gpt_memory.yaml",
     "experiments/hf_llama.yaml",
     "experiments/timm_vision.yaml",
+    "experiments/finetune_small.yaml",
 )
 SEVEN_B = {
     "name": "bench-7b",
@@ -51,6 +53,11 @@ LLAMA_8B = {
     "data": {"dataset": "tokens", "vocab_size": 128256},
     "grid": {"batch_size": [1], "dtype": ["bf16"], "strategy": ["none"]},
     "train": {"optimizer": {"name": "adam"}, "budget": {"steps": 1}},
+}
+LLAMA_8B_LORA = {
+    **LLAMA_8B,
+    "name": "bench-llama-8b-lora",
+    "grid": {"batch_size": [1], "dtype": ["bf16"], "strategy": ["lora:16"]},
 }
 # `python -m harness.trial.estimate IN OUT`, then the process's own peak RSS into a file.
 # VmHWM, not getrusage: ru_maxrss is inherited from the parent (the bench, gigabytes by then)
@@ -68,7 +75,11 @@ status = open("/proc/self/status").read().split("VmHWM:")[1].split()
 open(peak_file, "w").write(str(int(status[0]) * 1024))
 """
 # (figure prefix, spec, seconds target, RSS target in GiB)
-LARGE = (("7b", SEVEN_B, 60, 4), ("llama_8b", LLAMA_8B, 60, 2))
+LARGE = (
+    ("7b", SEVEN_B, 60, 4),
+    ("llama_8b", LLAMA_8B, 60, 2),
+    ("llama_8b_lora", LLAMA_8B_LORA, 60, 2),
+)
 
 
 def measured_only(config: TrialConfig) -> TrialConfig:

@@ -76,7 +76,6 @@ TABLE_COLUMNS = {
     "korthikanti_activation_bytes": "Korthikanti",
     "num_params": "trainable",
     "fits": "fits",
-    "estimate_seconds": "time",
 }
 
 
@@ -97,6 +96,7 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
         title=f"{spec.experiment}: predicted peak memory on {target}, nothing run ({where})",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
+        collapse_padding=True,
     )
     for column in columns:
         left = column in ("model_size", "dtype", "strategy")
@@ -120,6 +120,13 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     )
     for reason in reasons:
         console.print(f"not predicted {reason}", highlight=False)
+    if "estimate_seconds" in frame:
+        seconds = frame["estimate_seconds"]
+        console.print(
+            f"estimated {len(frame)} trials in {seconds.sum():.0f} s "
+            f"({seconds.min():.1f}-{seconds.max():.1f} s each, imports not counted)",
+            highlight=False,
+        )
     for note in sorted({n for n in frame.get("note", []) if isinstance(n, str)}):
         console.print(f"prediction: {note}", highlight=False)
 
@@ -135,6 +142,4 @@ def estimate_cell(column: str, value: Any) -> str:
         return format_count(value)
     if column == "fits":
         return "yes" if value else "NO"
-    if column == "estimate_seconds":
-        return f"{value:.1f} s"
     return str(value)
