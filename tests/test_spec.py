@@ -266,3 +266,12 @@ def test_every_malformed_spec_is_exit_2_and_one_line_from_the_cli(tmp_path, base
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(str(path)), (path, done.stderr)
         assert "Traceback" not in done.output
+
+
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "experiments").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_shipped_experiment_validates(path):
+    from harness.spec import load_spec, points
+
+    assert points(load_spec(path))

@@ -26,6 +26,7 @@ large tensors on the meta device, then made fake (``harness.trial.fake``).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +50,9 @@ def import_peft() -> Any:
         raise RuntimeError(
             f"strategy lora needs peft (pip install 'harness[models]'): {error}"
         ) from None
+    # peft asks transformers 5 for a renamed property on every get_peft_model: noise in each
+    # trial's log, nothing the user can act on.
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
     return peft
 
 
