@@ -275,3 +275,19 @@ def test_every_shipped_experiment_validates(path):
     from harness.spec import load_spec, points
 
     assert points(load_spec(path))
+
+
+def test_validate_finds_user_code_without_running_it(tmp_path, base_spec):
+    """A user module is looked up (spec folder, working directory, installed packages), not
+    imported: a missing one is one line and exit 2; a present one is not executed."""
+    (tmp_path / "mine.py").write_text("raise SystemExit('validate ran the user code')\n")
+    base_spec["model"] = {"family": "mine:build", "sizes": {"s": {}}}
+    done = run_cli("validate", str(write_spec(tmp_path, base_spec, "ok.yaml")), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "validate ran the user code" not in done.stdout + done.stderr
+    base_spec["model"]["family"] = "nothere.models:build"
+    done = run_cli("validate", str(write_spec(tmp_path, base_spec, "bad.yaml")), cwd=tmp_path)
+    assert done.returncode == 2
+    line = done.stderr.strip()
+    assert "\n" not in line and line.startswith(f"{tmp_path / 'bad.yaml'}: model.family: ")
+    assert "module 'nothere.models' not found" in line

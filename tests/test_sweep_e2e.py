@@ -54,7 +54,9 @@ def faults_sweep(tmp_path_factory):
 
 def test_every_failure_is_recorded_and_the_sweep_goes_on(faults_sweep):
     folder, _, done = faults_sweep
-    assert done.returncode == 0, done.stderr
+    # A crash or a timeout is no measurement: the sweep says so and exits 1 after its summary.
+    assert done.returncode == 1, done.stderr
+    assert "exit status 1: 1 crash and 1 timeout (no measurement)" in done.stdout
     frame = load("faults", f"sqlite:///{folder}/results/mlflow.db").set_index("model_size")
     assert frame["status"].to_dict() == {
         "ok": "ok",
@@ -157,14 +159,14 @@ def test_rerun_resumes_without_repeating_or_duplicating(faults_sweep):
     """Last in the file: it adds a second (--fresh) sweep to the shared store."""
     folder, spec_path, _ = faults_sweep
     again = run_cli("sweep", str(spec_path), cwd=folder)
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 1, again.stderr  # the recorded crash and timeout are still there
     assert "5 of 5 trials already recorded" in again.stdout
     assert "Nothing left to run" in again.stdout
     frame = load("faults", f"sqlite:///{folder}/results/mlflow.db")
     assert len(frame) == 5 and frame["trial_key"].is_unique
 
     fresh = run_cli("sweep", str(spec_path), "--fresh", cwd=folder)
-    assert fresh.returncode == 0, fresh.stderr
+    assert fresh.returncode == 1, fresh.stderr
     every = load("faults", f"sqlite:///{folder}/results/mlflow.db", sweep="all")
     assert len(every) == 10 and every["sweep_run_id"].nunique() == 2
     assert len(load("faults", f"sqlite:///{folder}/results/mlflow.db")) == 5  # latest sweep only

@@ -148,3 +148,43 @@ def test_gpt_presets_reach_billions_of_parameters():
     n, d = knobs["n_layer"], knobs["d_model"]
     assert 12 * n * d * d > 6e9
     assert resolve_knobs("gpt", {"preset": "tiny", "n_layer": 3})["n_layer"] == 3
+
+
+def test_user_code_folders_do_not_shadow_installed_modules(tmp_path):
+    """A spec's folder goes to the end of sys.path: a user file named like a standard-library
+    module (here colorsys.py) does not replace it for the trial."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mymodel.py").write_text("import colorsys\nWHERE = colorsys.__file__\n")
+    (tmp_path / "colorsys.py").write_text("raise SystemExit('the user file shadowed colorsys')\n")
+    code = (
+        "import sys; from harness.workloads import resolve; "
+        f"print(resolve('mymodel:WHERE', [{str(tmp_path)!r}])); print(sys.path[-1])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr + done.stdout
+    where, last = done.stdout.split()
+    assert not where.startswith(str(tmp_path)) and last == str(tmp_path)
+
+
+def test_evaluation_batches_are_no_larger_than_the_training_batch():
+    from harness.meters.accuracy import evaluate
+    from harness.workloads.task import Logits
+
+    seen = []
+
+    class Probe(torch.nn.Linear):
+        def forward(self, x):
+            seen.append(len(x))
+            return super().forward(x)
+
+    test = {"x": torch.randn(100, 4), "y": torch.randint(0, 3, (100,))}
+    model = Probe(4, 3)
+    small = evaluate(model, Logits(), test, torch.device("cpu"), batch_size=16)
+    assert max(seen) == 16 and sum(seen) == 100
+    seen.clear()
+    whole = evaluate(model, Logits(), test, torch.device("cpu"))
+    assert seen == [100]
+    assert small["accuracy"] == whole["accuracy"]
+    assert small["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)

@@ -77,7 +77,27 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None, wor
             "\nInterrupted. Finished trials are recorded; run the same command to resume."
         )
         sys.exit(130)
-    print_summary(console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id)
+    counts = print_summary(
+        console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id
+    )
+    exit_for_failures(console, counts)
+
+
+# Statuses that are results (the trial ran, or was rightly not run) vs failures to measure.
+FAILED_STATUSES = ("crash", "timeout")
+
+
+def exit_for_failures(console: Console, counts: dict[str, int]) -> None:
+    """Exit 1 when any trial crashed or timed out, so scripts and CI see it; ok, oom,
+    diverged and infeasible are measurements, not failures (exit 0)."""
+    failed = {status: counts[status] for status in FAILED_STATUSES if counts.get(status)}
+    if failed:
+        what = " and ".join(f"{n} {status}" for status, n in failed.items())
+        console.print(
+            f"exit status 1: {what} (no measurement); `harness results` shows each failure_reason",
+            highlight=False,
+        )
+        sys.exit(1)
 
 
 @click.command()
@@ -114,11 +134,14 @@ def worker(spec_path: Path, storage: str | None, tracking_uri: str | None) -> No
         sys.exit(130)
 
 
-def print_summary(console: Console, experiment: str, tracking_uri: str, parent_run_id: str) -> None:
+def print_summary(
+    console: Console, experiment: str, tracking_uri: str, parent_run_id: str
+) -> dict[str, int]:
+    """The sweep's outcome per status and its best configurations; the counts per status."""
     from harness.record.results import load
 
     frame = load(experiment, tracking_uri, sweep=parent_run_id)
-    counts = frame["status"].value_counts().to_dict()
+    counts = {str(k): int(v) for k, v in frame["status"].value_counts().to_dict().items()}
     console.print(
         f"\n[bold]{len(frame)} trials[/]: "
         + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
@@ -160,3 +183,4 @@ def print_summary(console: Console, experiment: str, tracking_uri: str, parent_r
         "or harness.results.load() in Python.",
         soft_wrap=True,
     )
+    return counts

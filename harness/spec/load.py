@@ -7,7 +7,10 @@ close misspellings. ``SpecError`` carries the lines; the CLI prints them and exi
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -18,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from harness.spec.errors import FieldProblem, SpecError, did_you_mean
 from harness.spec.schema import Spec
+from harness.workloads import is_user_code
 
 FRIENDLY = {
     "missing": "required key is missing",
@@ -136,4 +140,43 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"{path}: cannot read: {error}") from None
     if data is None:
         raise SpecError(f"{path}: the spec is empty")
-    return parse_spec(data, str(path))
+    spec = parse_spec(data, str(path))
+    check_user_code(spec, path)
+    return spec
+
+
+def check_user_code(spec: Spec, path: Path) -> None:
+    """Every ``package.module:attr`` the spec names must be findable from where its trials
+    will look (the spec's folder, the working directory, the installed packages): found, not
+    imported, so validating runs none of the user's code."""
+    folders = [str(path.resolve().parent), str(Path.cwd())]
+    named = (
+        ("model.family", spec.model.family),
+        ("model.loss", spec.model.loss),
+        ("data.dataset", spec.data.dataset),
+    )
+    for field, reference in named:
+        if reference is None or not is_user_code(reference):
+            continue
+        module = reference.partition(":")[0]
+        if not module_findable(module, folders):
+            raise SpecError(
+                f"{path}: {field}: module {module!r} not found (looked in {folders[0]}, "
+                f"{folders[1]} and the installed packages)"
+            )
+
+
+def module_findable(name: str, folders: list[str]) -> bool:
+    """Whether ``import name`` would find a file, without importing it or its packages."""
+    locations = [*folders, *sys.path]
+    for depth, part in enumerate(name.split(".")):
+        found = importlib.machinery.PathFinder.find_spec(part, locations)
+        if found is None:
+            break
+        locations = list(found.submodule_search_locations or [])
+        if depth == name.count("."):
+            return True
+    try:  # packages found another way (editable installs' own finders): ask import itself
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

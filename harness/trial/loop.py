@@ -102,7 +102,7 @@ class TrainingLoop:
             metrics.update(
                 evaluate(
                     setup.model, setup.task, self.data.test, setup.device,
-                    setup.precision.autocast, setup.prepare_batch,
+                    setup.precision.autocast, setup.prepare_batch, setup.micro_batch_size,
                 )
             )  # fmt: skip
             for strategy in setup.strategies:

@@ -55,6 +55,11 @@ class Setup:
     # world size, and what strategies did (checkpoint segments, pruned parameters, ...).
     info: dict[str, Any]
 
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples one forward pass of this rank takes in training (what is known to fit)."""
+        return max(1, self.config.batch_size // self.ranks.size // self.micro_batches)
+
     def prepare_batch(self, batch: Batch) -> Batch:
         """A batch as the strategies want it on the device: each floating-point tensor (the
         inputs; labels and token ids are integers) in their memory format and dtype."""

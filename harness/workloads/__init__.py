@@ -214,10 +214,14 @@ def find_file(path: str, search: list[str], what: str) -> str:
 
 
 def resolve(path: str, python_path: list[str] | None = None) -> Any:
-    """Import ``module:attr``; ``python_path`` entries are tried first (user code next to a spec)."""
-    for entry in reversed(python_path or []):
+    """Import ``module:attr``, looking also in ``python_path`` (user code next to a spec).
+
+    Those folders go to the end of ``sys.path``: a user file named like a standard-library or
+    installed module (``types.py``, ``torch.py``) must not replace it for the whole trial.
+    """
+    for entry in python_path or []:
         if entry not in sys.path:
-            sys.path.insert(0, entry)
+            sys.path.append(entry)
     module_name, _, attr = path.partition(":")
     module = importlib.import_module(module_name)
     try:
