@@ -291,3 +291,24 @@ def test_validate_finds_user_code_without_running_it(tmp_path, base_spec):
     line = done.stderr.strip()
     assert "\n" not in line and line.startswith(f"{tmp_path / 'bad.yaml'}: model.family: ")
     assert "module 'nothere.models' not found" in line
+
+
+def test_a_cuda_spec_on_a_host_without_cuda_is_refused_by_sweep_and_flagged_by_validate(
+    tmp_path, base_spec
+):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the refusal is for hosts without it")
+    base_spec["device"] = "cuda"
+    path = write_spec(tmp_path, base_spec)
+    done = run_cli("sweep", str(path), cwd=tmp_path)
+    assert done.returncode == 2
+    line = done.stderr.strip()
+    assert "\n" not in line and line.startswith(
+        f"{path}: device: cuda, but this host has no usable CUDA device"
+    )
+    assert not (tmp_path / "results" / "mlflow.db").exists()  # nothing recorded, nothing ran
+    checked = run_cli("validate", str(path), cwd=tmp_path)
+    assert checked.returncode == 0 and "ok (1 trials" in checked.stdout
+    assert "warning: device: cuda, but this host has no usable CUDA device" in checked.stderr

@@ -15,9 +15,16 @@ from harness.units import format_bytes, format_count
 @click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 def validate(specs: tuple[Path, ...]) -> None:
     """Check SPEC files without running anything; print the number of trials each plans."""
+    from harness.sweep.preflight import device_problem
+
     for path in specs:
         spec = load_spec(path)
         click.echo(f"{path}: ok ({len(points(spec))} trials, experiment {spec.experiment!r})")
+        why = device_problem(spec.device)
+        if why:  # a valid spec for another machine: sweep refuses it here, estimate is fine
+            click.echo(
+                f"{path}: warning: device: {why}; `harness sweep` refuses it on this host", err=True
+            )
 
 
 @click.command()

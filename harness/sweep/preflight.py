@@ -68,6 +68,34 @@ def check_database(spec: Spec, field: str, url: str) -> None:
         engine.dispose()
 
 
+def device_problem(device: str) -> str | None:
+    """Why this host cannot run trials on ``device`` (``cuda``, ``cuda:N``), or None.
+
+    Imports torch, so it is asked only of specs that name a CUDA device."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
+        return (
+            f"{device}, but this host has no usable CUDA device (torch {torch.__version__}, "
+            f"{build}); use device: auto or cpu here, or `harness estimate --device cuda` to "
+            "predict for a card"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"{device}, but this host has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
+def check_device(spec: Spec) -> None:
+    """Raise ``SpecError`` (exit 2, one line) if this host cannot run the spec's device."""
+    why = device_problem(spec.device)
+    if why:
+        raise SpecError(f"{spec._source or '<spec>'}: device: {why}")
+
+
 def check_stores(spec: Spec) -> None:
     """Raise ``SpecError`` (exit 2, one line) if a store cannot be reached or written."""
     results = Path(spec.tracking.results_dir)

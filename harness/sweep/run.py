@@ -102,6 +102,7 @@ def prepare(
     """
     preflight.check_stores(spec)  # before anything is created or any trial runs
     if runs_trials:
+        preflight.check_device(spec)
         start_warm_starter()
     results_dir = Path(spec.tracking.results_dir)
     study = plan.open_study(spec, fresh=fresh)
