@@ -107,3 +107,18 @@ def test_worker_records_an_exception_as_crash(tmp_path, base_spec):
     assert result.status == "crash"
     assert result.failure_reason == "RuntimeError: user model failed on purpose"
     assert result.trial_key == config.trial_key
+
+
+def test_a_rank_picks_its_device_before_anything_touches_it():
+    """Under torchrun each rank predicts on its own GPU (cuda:LOCAL_RANK) before the process
+    group starts; on a CPU the device stays the CPU for every rank."""
+    import torch
+
+    from harness.trial.distributed import Ranks
+
+    cpu = torch.device("cpu")
+    assert Ranks(rank=1, size=2, local_rank=1).local_device(cpu) == cpu
+    assert Ranks(rank=0, size=1).local_device(cpu) == cpu
+    if torch.cuda.is_available():  # on a card: the named GPU becomes the current one
+        device = Ranks(rank=0, size=1).local_device(torch.device("cuda", 0))
+        assert device == torch.device("cuda", 0) and torch.cuda.current_device() == 0

@@ -39,13 +39,23 @@ class Ranks:
     def is_writer(self) -> bool:
         return self.rank == 0
 
+    def local_device(self, device: torch.device) -> torch.device:
+        """This rank's device (``cuda:LOCAL_RANK`` under torchrun), made the current CUDA
+        device before anything touches CUDA: the in-trial prediction runs before the process
+        group starts, and without this every rank would create a context on GPU 0."""
+        if device.type != "cuda":
+            return device
+        if self.distributed:
+            device = torch.device("cuda", self.local_rank)
+        if device.index is not None:  # plain "cuda" is the current device already
+            torch.cuda.set_device(device)
+        return device
+
     def start(self, device: torch.device) -> torch.device:
         """Join the process group (gloo on CPU, nccl on CUDA); return this rank's device."""
         if not self.distributed:
             return device
-        if device.type == "cuda":
-            device = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(device)
+        device = self.local_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         return device

@@ -65,7 +65,7 @@ def train(
 ) -> None:
     for strategy in build_strategies(config.strategy):
         os.environ.update(strategy.environment())  # must precede the first CUDA call
-    target = resolve_device(config.device)
+    target = ranks.local_device(resolve_device(config.device))
     # Before joining the process group: a multi-rank estimate runs on a fake group of its own.
     with measured.clock("estimate_time_s"):
         predict(config, target, measured)
