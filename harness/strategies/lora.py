@@ -100,7 +100,8 @@ class Lora(Strategy):
         names = target_names(model, options.get("targets"))
         for param in model.parameters():
             param.requires_grad_(False)
-        convert(model, dtype=base_dtype(options, ctx.dtype), parameters_only=True)
+        stored_as = base_dtype(options, ctx.dtype)
+        convert(model, dtype=stored_as, parameters_only=True)
         config = peft.LoraConfig(
             r=rank,
             lora_alpha=float(options.get("alpha") or rank),
@@ -113,7 +114,7 @@ class Lora(Strategy):
         if ctx.estimating:
             model = convert(model, ctx.device, materialize_meta=True)
         ctx.notes["lora_targets"] = len(names)
-        ctx.notes["lora_base_dtype"] = str(base_dtype(options, ctx.dtype)).removeprefix("torch.")
+        ctx.notes["lora_base_dtype"] = str(stored_as).removeprefix("torch.")
         if self.quantized:
             ctx.notes.update(quantize_blocks(model))
         return model
@@ -138,11 +139,9 @@ class QLora(Lora):
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
-    """Whether a parameter is stored as torchao's NF4Tensor (without importing torchao)."""
-    return (
-        type(tensor).__name__ == "NF4Tensor"
-        or type(getattr(tensor, "data", None)).__name__ == "NF4Tensor"
-    )
+    """Whether a parameter is stored as torchao's NF4Tensor (without importing torchao; a
+    Parameter of a tensor subclass keeps the subclass's type, fake inner tensors too)."""
+    return type(tensor).__name__ == "NF4Tensor"
 
 
 def block_linear_weights(model: nn.Module) -> list[torch.Tensor]:
