@@ -8,7 +8,7 @@ into one ``TrialConfig`` per grid point.
 """
 
 from harness.spec.errors import SpecError
-from harness.spec.grid import grid_hash, points, trial_config, trial_configs
+from harness.spec.grid import grid_hash, on_hardware, points, trial_config, trial_configs
 from harness.spec.load import load_spec, parse_spec
 from harness.spec.schema import Spec
 
@@ -17,6 +17,7 @@ __all__ = [
     "SpecError",
     "grid_hash",
     "load_spec",
+    "on_hardware",
     "parse_spec",
     "points",
     "trial_config",

@@ -39,9 +39,10 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         warmup_steps=spec.measure.warmup_steps,
         memory_steps=spec.measure.memory_steps,
         timed_steps=spec.measure.timed_steps,
-        device=spec.device,
+        device=spec._hardware["device"] if spec._hardware else spec.device,
         device_memory_bytes=spec.device_memory,
         model_loss=spec.model.loss,
+        hardware=dict(spec._hardware) if spec._hardware else None,
         lora=spec.train.lora.model_dump() if uses_adapters(point["strategy"]) else None,
         python_path=[spec_dir, str(Path.cwd())],
         run_infeasible=spec.limits.run_infeasible,
@@ -58,7 +59,17 @@ def trial_configs(spec: Spec) -> list[TrialConfig]:
     return [trial_config(spec, point) for point in points(spec)]
 
 
+def on_hardware(spec: Spec, hardware: dict[str, str]) -> Spec:
+    """The spec as a sweep on this host runs it: its trials carry the resolved device and its
+    name in their identity (``TrialConfig.hardware``)."""
+    copy = spec.model_copy()
+    copy._source = spec._source
+    copy._hardware = dict(hardware)
+    return copy
+
+
 def grid_hash(spec: Spec) -> str:
-    """Identifies the set of trials: the same spec resumes its sweep, a changed grid starts anew."""
+    """Identifies the set of trials: the same spec resumes its sweep, a changed grid (or other
+    hardware) starts anew."""
     keys = sorted(config.trial_key for config in trial_configs(spec))
     return hashlib.sha256("\n".join(keys).encode()).hexdigest()[:10]

@@ -384,6 +384,9 @@ class Spec(Strict):
     tracking: TrackingSpec = TrackingSpec()
     # Set by parse_spec: where the spec came from (user model code is imported from there).
     _source: str = PrivateAttr("")
+    # Set by the sweep (``harness.trial.hardware.host_hardware``): the device this host resolves
+    # ``device`` to and its name, part of every trial's identity. None: not probed (estimates).
+    _hardware: dict[str, str] | None = PrivateAttr(None)
 
     @field_validator("name")
     @classmethod

@@ -17,7 +17,7 @@ from harness.workloads import resolve_knobs
 NOT_DEFINING = ("python_path", "run_infeasible", "timeline")
 # Fields added after sweeps were first recorded count in the key only when set, so a spec that
 # does not use them keeps its trial keys (and resumes its sweep).
-KEYED_WHEN_SET: dict[str, Any] = {"model_loss": None, "lora": None}
+KEYED_WHEN_SET: dict[str, Any] = {"model_loss": None, "lora": None, "hardware": None}
 # Files a trial writes beside its result.json (all logged as MLflow artifacts under trial/).
 TIMELINE_FILE = "timeline.json"  # harness.meters.timeline's samples of the memory window
 TIMELINE_PNG = "timeline.png"  # drawn from it by the sweep (matplotlib is not a trial need)
@@ -54,6 +54,10 @@ class TrialConfig:
     model_loss: str | None = None
     # train.lora (alpha, dropout, targets, base_dtype) for trials with lora/qlora, else None.
     lora: dict[str, Any] | None = None
+    # The hardware the sweep resolved ``device`` to on its host (``harness.trial.hardware``:
+    # device type and name; the world size is the strategy's): a CPU's results are not an
+    # H200's. None where nothing runs (estimates, dry runs without a host probe).
+    hardware: dict[str, str] | None = None
     # Not part of the key: where user model code (``module:attr``) is importable from, whether
     # to run a trial even when it is predicted not to fit, and whether to record the memory
     # timeline (it changes no measurement).

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import platform
-
 import torch
 
+from harness.trial.hardware import cpu_name
 from harness.trial.result import Status, TrialFailure
 
 
@@ -32,11 +31,4 @@ def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model: the ``device_name`` tag."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return cpu_name()

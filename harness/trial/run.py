@@ -66,13 +66,15 @@ def train(
     for strategy in build_strategies(config.strategy):
         os.environ.update(strategy.environment())  # must precede the first CUDA call
     target = ranks.local_device(resolve_device(config.device))
+    # Recorded before the prediction: an infeasible trial names its hardware too.
+    measured.info.update(
+        device=str(target), device_name=device_name(target), torch_threads=torch.get_num_threads()
+    )
     # Before joining the process group: a multi-rank estimate runs on a fake group of its own.
     with measured.clock("estimate_time_s"):
         predict(config, target, measured)
     device = ranks.start(target)
-    measured.info.update(
-        device=str(device), device_name=device_name(device), torch_threads=torch.get_num_threads()
-    )
+    measured.info["device"] = str(device)
     emulate_card(device, config.device_memory_bytes)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
