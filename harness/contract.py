@@ -41,3 +41,7 @@ DEFAULT_OBJECTIVES = (
 DEFAULT_RESULTS_DIR = "results"
 DEFAULT_MLFLOW_URI = "sqlite:///results/mlflow.db"
 DEFAULT_STORAGE = "sqlite:///results/optuna.db"
+# `harness worker` reads the shared stores from these when not given on its command line:
+# `--workers N` passes them so (a password in a URL never appears in `ps`).
+STORAGE_ENV = "HARNESS_STORAGE"
+TRACKING_ENV = "HARNESS_TRACKING_URI"

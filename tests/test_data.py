@@ -122,3 +122,39 @@ def test_user_data_in_a_spec_and_what_is_refused():
     data["data"] = {"dataset": "hf_dataset"}
     with pytest.raises(SpecError, match=r"data\.data_files: required with dataset hf_dataset"):
         parse_spec(data)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "options"),
+    [
+        ("digits", {}),
+        ("digits", {"test_fraction": 0.5}),
+        ("synthetic", {"shape": [4], "num_classes": 3, "num_samples": 101, "test_fraction": 0.3}),
+        ("tokens", {"vocab_size": 50, "seq_len": 8, "num_samples": 77}),
+        ("text", {"seq_len": 64}),
+        ("text", {"seq_len": 1000, "test_fraction": 0.9}),
+    ],
+)
+def test_training_sizes_known_before_loading_match_the_loaders(dataset, options):
+    from harness.workloads.sizes import training_samples
+
+    assert training_samples(dataset, options) == load_dataset(dataset, options, seed=3).train_size
+
+
+def test_a_batch_larger_than_the_training_split_fails_validation():
+    spec = copy.deepcopy(BASE_SPEC)
+    spec["grid"] = {**spec["grid"], "batch_size": [8, 2000]}
+    with pytest.raises(SpecError) as error:
+        parse_spec(spec, "s.yaml")
+    assert str(error.value).startswith("s.yaml: grid.batch_size[1]: 2000 is larger than")
+    assert "training split of dataset digits (1438 samples" in str(error.value)
+    text = {
+        "name": "lm",
+        "model": {"family": "gpt", "sizes": {"long": {"seq_len": 4096}}},
+        "data": {"dataset": "text"},
+        "grid": {"batch_size": [128], "dtype": ["fp32"], "strategy": ["none"]},
+    }
+    with pytest.raises(SpecError, match=r"windows of seq_len 4096 for model size long"):
+        parse_spec(text, "lm.yaml")
+    text["data"] = {"dataset": "hf_dataset", "data_files": "x.txt", "format": "text"}
+    parse_spec(text, "lm.yaml")  # read from files: only known once loaded

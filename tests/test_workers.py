@@ -46,9 +46,13 @@ def test_a_finished_point_is_taken_but_a_dead_workers_point_is_free():
     assert claim.claim_point(shared, shared.ask(), "done") is False
     dead = shared.ask()
     dead.set_user_attr("trial_key", "free")
-    dead.set_user_attr("stale", True)
-    shared.tell(dead, state=TrialState.FAIL)
+    shared.tell(dead, state=TrialState.FAIL)  # failed as a dead worker's: no status written
     assert claim.claim_point(shared, shared.ask(), "free") is True
+    crashed = shared.ask()
+    claim.claim_point(shared, crashed, "crashed")
+    crashed.set_user_attr("status", "crash")  # a measured failure holds its point
+    shared.tell(crashed, state=TrialState.FAIL)
+    assert claim.claim_point(shared, shared.ask(), "crashed") is False
 
 
 def test_passwords_are_not_printed():
@@ -75,7 +79,9 @@ def test_stale_running_trials_are_failed_and_live_ones_kept():
     assert claim.fail_stale_trials(shared) == 2
     states = [t.state for t in shared.trials]
     assert states == [TrialState.RUNNING, TrialState.FAIL, TrialState.FAIL, TrialState.RUNNING]
-    assert shared.trials[1].user_attrs["stale"] is True
+    # Failed without a status (the sweep writes one before it fails a measured trial): free.
+    assert claim.released(shared.trials[1], {}) and claim.released(shared.trials[2], {})
+    assert not claim.released(shared.trials[0], {})
     assert datetime.now() - shared.trials[1].datetime_complete < timedelta(minutes=1)
 
 

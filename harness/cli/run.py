@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.cli.common import make_console
-from harness.contract import AXES
-from harness.spec import SpecError, load_spec, points, trial_config
+from harness.contract import AXES, STORAGE_ENV, TRACKING_ENV
+from harness.spec import SpecError, load_spec, on_hardware, points, trial_config
 from harness.units import format_bytes
 
 
@@ -37,13 +37,37 @@ from harness.units import format_bytes
     help="Run N trials at once in N worker processes sharing the study (one per GPU on a "
     "multi-GPU host; on a CPU they distort throughput).",
 )
-def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None, workers: int) -> None:
+@click.option(
+    "--retry-failed",
+    "retry",
+    type=click.Choice(["failed", "all"]),
+    is_flag=False,
+    flag_value="failed",
+    default=None,
+    help="Run recorded crash and timeout trials again (=all: also oom, diverged, "
+    "infeasible), replacing their records in the same sweep.",
+)
+def sweep(
+    spec_path: Path,
+    fresh: bool,
+    dry_run: bool,
+    n_trials: int | None,
+    workers: int,
+    retry: str | None,
+) -> None:
     """Run the trials of SPEC (each in its own process) and record them in MLflow.
 
     Grid: every point. Optuna: search.n_trials points chosen by the sampler. Running the same
-    SPEC again resumes: recorded trials are kept and never re-run.
+    SPEC again resumes: recorded trials are kept and never re-run (--retry-failed runs the
+    failed ones again). A trial's identity includes this host's device and its name, so the
+    same SPEC on other hardware is a new sweep. Exit status: 0 when every trial has a
+    result (ok, oom, diverged, infeasible), 1 when any crashed or timed out, 2 on bad input.
     """
     spec = load_spec(spec_path)
+    if retry and fresh:
+        raise SpecError(
+            f"{spec_path}: --retry-failed and --fresh: a fresh sweep has nothing to retry"
+        )
     if n_trials is not None and spec.search.method != "optuna":
         raise SpecError(
             f"{spec_path}: --n-trials needs search.method: optuna (this spec is a grid that "
@@ -60,6 +84,11 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None, wor
                 f"search space: Optuna's {spec.search.sampler} sampler picks "
                 f"{spec.search.n_trials} of these {len(points(spec))} points"
             )
+        from harness.trial.hardware import describe_hardware, host_hardware
+
+        hardware = host_hardware(spec.device)
+        console.print(f"hardware: {describe_hardware(hardware)} (part of each trial_key)")
+        spec = on_hardware(spec, hardware)
         for index, point in enumerate(points(spec), start=1):
             console.print(f"{index:>4}  {trial_config(spec, point).trial_key}  {point}")
         return
@@ -67,11 +96,11 @@ def sweep(spec_path: Path, fresh: bool, dry_run: bool, n_trials: int | None, wor
         if workers > 1:
             from harness.sweep.workers import run_with_workers
 
-            outcome = run_with_workers(spec, console, fresh, workers)
+            outcome = run_with_workers(spec, console, fresh, workers, retry)
         else:
             from harness.sweep.run import run_sweep
 
-            outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials)
+            outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials, retry=retry)
     except KeyboardInterrupt:
         console.print(
             "\nInterrupted. Finished trials are recorded; run the same command to resume."
@@ -105,12 +134,17 @@ def exit_for_failures(console: Console, counts: dict[str, int]) -> None:
 @click.option(
     "--storage",
     default=None,
+    envvar=STORAGE_ENV,
+    show_envvar=True,
     help="Optuna storage shared by all workers (postgresql://..., journal:PATH); "
-    "default: the spec's tracking.storage.",
+    "default: the spec's tracking.storage. A URL with a password belongs in the "
+    "environment variable, not on the command line (visible in ps).",
 )
 @click.option(
     "--tracking-uri",
     default=None,
+    envvar=TRACKING_ENV,
+    show_envvar=True,
     help="MLflow tracking URI shared by all workers (e.g. http://host:5000); "
     "default: the spec's tracking.mlflow_uri.",
 )

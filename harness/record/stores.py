@@ -87,5 +87,6 @@ def shared_storage(url: str) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for printing (``postgresql://me:***@host/db``)."""
+    """The URL (or a text holding URLs: a spec file) without passwords, for printing and
+    recording (``postgresql://me:***@host/db``)."""
     return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)

@@ -183,6 +183,19 @@ class Tracker:
             if run.info.status != "RUNNING"
         }
 
+    def supersede_trials(self, parent_run_id: str, statuses: set[str]) -> list[str]:
+        """``--retry-failed``: the recorded trials with these statuses step aside for a new
+        run of the same point: tagged ``superseded`` and deleted (MLflow keeps deleted runs
+        restorable; ``harness results`` reads active runs only). Their trial keys."""
+        keys = []
+        for run in self.trial_runs(parent_run_id):
+            if run.info.status == "RUNNING" or run.data.tags.get("status") not in statuses:
+                continue
+            self.client.set_tag(run.info.run_id, "superseded", "retry-failed")
+            self.client.delete_run(run.info.run_id)
+            keys.append(run.data.tags.get("trial_key", ""))
+        return keys
+
     def discard_unfinished_trials(self, parent_run_id: str) -> int:
         """Delete half-written trial runs a killed sweep left behind; their trials run again."""
         unfinished = [run for run in self.trial_runs(parent_run_id) if run.info.status == "RUNNING"]
@@ -204,8 +217,10 @@ class Tracker:
         started_ms: int,
         run_name: str,
     ) -> str:
-        # Everything the trial reported about itself (device, threads, strategy notes) as tags.
-        tags = {key: str(value) for key, value in result.info.items()}
+        # Everything the trial reported about itself (device, threads, strategy notes) as tags;
+        # a trial that reported nothing (crash, timeout) still names the hardware it was for.
+        tags = {key: str(value) for key, value in (config.hardware or {}).items()}
+        tags |= {key: str(value) for key, value in result.info.items()}
         tags |= {
             ROLE_TAG: TRIAL_ROLE,
             PARENT_TAG: parent_run_id,

@@ -47,6 +47,7 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         python_path=[spec_dir, str(Path.cwd())],
         run_infeasible=spec.limits.run_infeasible,
         timeline=spec.measure.timeline,
+        allocator_snapshot=spec.measure.allocator_snapshot,
     )
 
 

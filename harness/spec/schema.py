@@ -46,6 +46,7 @@ from harness.workloads import (
     resolve_knobs,
 )
 from harness.workloads.hf_presets import HF_DATASET_FORMATS
+from harness.workloads.sizes import training_samples
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -308,6 +309,9 @@ class MeasureSpec(Strict):
     timed_steps: int = Field(10, ge=1)
     # Record the memory timeline in the (untimed) memory window: a JSON + PNG per trial.
     timeline: bool = True
+    # CUDA only: record the caching allocator's history in the memory window and dump it for
+    # PyTorch's memory viewer (bounded, but it costs host memory and time: off unless asked).
+    allocator_snapshot: bool = False
 
 
 class ObjectiveSpec(Strict):
@@ -427,6 +431,31 @@ class Spec(Strict):
                     strategies.check_context(terms, dtype, self.model.family, device, batch_size)
                 except ValueError as error:
                     raise FieldProblem(["grid", "strategy", index], str(error)) from None
+        return self
+
+    @model_validator(mode="after")
+    def batches_fit_the_data(self) -> Spec:
+        """A batch larger than a fixed dataset's training split cannot be drawn: say so now,
+        not in each trial."""
+        largest = max(self.grid.batch_size)
+        for size, knobs in self.model.sizes.items():
+            options = dict(self.data.options())
+            resolved = resolve_knobs(self.model.family, knobs)
+            if "seq_len" in resolved:  # as TrialConfig.dataset_options does
+                options.setdefault("seq_len", resolved["seq_len"])
+            samples = training_samples(self.data.dataset, options)
+            if samples is None or largest <= samples:
+                continue
+            unit = (
+                f"windows of seq_len {options.get('seq_len', 128)}"
+                if self.data.dataset == "text"
+                else "samples"
+            )
+            raise FieldProblem(
+                ["grid", "batch_size", self.grid.batch_size.index(largest)],
+                f"{largest} is larger than the training split of dataset {self.data.dataset} "
+                f"({samples} {unit} for model size {size}); use at most {samples}",
+            )
         return self
 
     @model_validator(mode="after")

@@ -11,8 +11,15 @@ opens the same Optuna study and takes grid points one at a time:
 - **Heartbeat.** While its trial runs, a worker writes the time onto the trial every
   ``HEARTBEAT_S`` seconds, with its owner (``host:pid``).
 - **Dead workers.** A running trial whose owner is a dead process on this host, or whose
-  heartbeat is older than ``STALE_AFTER_S``, is failed (marked ``stale``) and its point is
-  free again.
+  heartbeat is older than ``STALE_AFTER_S``, is failed and its point is free again. Such a
+  trial is told apart from a measured failure without any private Optuna API: ``plan.tell``
+  writes the trial's ``status`` before it fails a trial, a dead worker's trial never got one.
+- **Retried.** ``harness sweep --retry-failed`` records on the study which trials of which
+  points it replaces (``superseded``): those points are free again, their MLflow runs are
+  deleted (kept in the store, restorable) and tagged ``superseded``.
+
+The heartbeat is this module's own (a user attribute), not Optuna's RDB heartbeat: that one is
+written through a storage call that needs a trial's private id, and journal files have none.
 
 Storage (``harness.record.stores``): ``sqlite:///...`` (one process at a time is safest),
 ``journal:PATH`` (Optuna's journal file: many processes on one machine) or
@@ -74,21 +81,45 @@ def fail_stale_trials(study: Any) -> int:
         if is_stale(t, now)
     ]
     for trial in stale:
-        study._storage.set_trial_user_attr(trial._trial_id, "stale", True)
         with contextlib.suppress(Exception):  # another worker may have failed it just now
-            study.tell(trial.number, state=TrialState.FAIL)
+            study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
     return len(stale)
+
+
+SUPERSEDED_ATTR = "superseded"  # on the study: trial_key -> last trial number a retry replaced
+
+
+def superseded(study: Any) -> dict[str, int]:
+    """Which trials ``--retry-failed`` replaced: per point, the last trial number it replaced
+    (a study attribute: a finished trial's own attributes cannot be written any more)."""
+    return dict(study.user_attrs.get(SUPERSEDED_ATTR, {}))
+
+
+def released(trial: Any, replaced: dict[str, int]) -> bool:
+    """Whether a study trial no longer holds its point (see the module notes): a repeat of a
+    taken point, abandoned at its claim, replaced by a retry (``replaced``: ``superseded``),
+    or a dead worker's (failed without the status ``plan.tell`` writes first; ``stale`` on
+    studies written before)."""
+    from optuna.trial import TrialState
+
+    attrs = trial.user_attrs
+    if "repeat_of" in attrs or attrs.get("abandoned") or attrs.get("stale"):
+        return True
+    if trial.number <= replaced.get(attrs.get("trial_key", ""), -1):
+        return True
+    return trial.state == TrialState.FAIL and "status" not in attrs
 
 
 def taken(study: Any, trial: Any, key: str) -> bool:
     """Whether another trial already has this point (see the module notes)."""
     from optuna.trial import TrialState
 
+    replaced = superseded(study)
     for other in study.get_trials(deepcopy=False):
         attrs = other.user_attrs
         if other.number == trial.number or attrs.get("trial_key") != key:
             continue
-        if "repeat_of" in attrs or attrs.get("abandoned") or attrs.get("stale"):
+        if released(other, replaced):
             continue
         if other.state == TrialState.RUNNING and other.number < trial.number:
             return True

@@ -24,10 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.trial.config import SNAPSHOT_FILE, TIMELINE_FILE, TIMELINE_PNG, TrialConfig
+from harness.trial.config import (
+    SNAPSHOT_FILE,
+    STEP_TIMES_FILE,
+    TIMELINE_FILE,
+    TIMELINE_PNG,
+    TrialConfig,
+)
 from harness.trial.result import Status, TrialResult
 
-TRIAL_FILES = (TIMELINE_FILE, TIMELINE_PNG, SNAPSHOT_FILE)
+TRIAL_FILES = (TIMELINE_FILE, TIMELINE_PNG, SNAPSHOT_FILE, STEP_TIMES_FILE)
 
 
 def _kill_tree(process: subprocess.Popen[bytes]) -> None:

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from harness.record.stores import prepare_store, storage_for
-from harness.spec import Spec, SpecError, grid_hash, points, trial_config
-from harness.sweep.claim import claim_point, owner
+from harness.spec import Spec, SpecError, grid_hash, on_hardware, points, trial_config
+from harness.sweep.claim import SUPERSEDED_ATTR, claim_point, owner, released, superseded
 from harness.trial.config import TrialConfig
+from harness.trial.hardware import describe_hardware
 from harness.trial.result import OVER_BUDGET, TrialResult
 
 # How many times in a row a sampler may propose points already measured before one of the
@@ -32,6 +33,49 @@ MAX_REPEATS = 20
 def study_name(spec: Spec) -> str:
     base = f"{spec.experiment}-{grid_hash(spec)}"
     return base if spec.search.method == "grid" else f"{base}-optuna"
+
+
+def spec_hash(spec: Spec) -> str:
+    """The grid hash without the hardware: the same spec on any host (and the whole grid hash
+    of sweeps recorded before hardware was part of a trial's identity)."""
+    return grid_hash(on_hardware(spec, {})) if spec._hardware else grid_hash(spec)
+
+
+def swept_elsewhere(study: Any, spec: Spec) -> str | None:
+    """For a new sweep: the hardware an earlier sweep of this same spec ran on, if other."""
+    import optuna
+
+    if study.get_trials(deepcopy=False):
+        return None  # resuming this very sweep
+    mine, same_spec = spec._hardware or {}, spec_hash(spec)
+    suffix = "" if spec.search.method == "grid" else "-optuna"
+    storage = storage_for(spec.tracking.storage)
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        attrs = summary.user_attrs
+        if summary.study_name == study.study_name or not summary.n_trials:
+            continue
+        if attrs.get("spec_hash") == same_spec and attrs.get("hardware") != mine:
+            return describe_hardware(attrs.get("hardware") or {})
+        if summary.study_name == f"{spec.experiment}-{same_spec}{suffix}":
+            return "hardware an earlier harness version did not record"
+    return None
+
+
+def free_points(study: Any, spec: Spec, keys: list[str]) -> int:
+    """``--retry-failed``: the trials of these points no longer hold them (``superseded``);
+    Optuna search enqueues the points, so the sampler's next trials are those points again."""
+    if not keys:
+        return 0
+    replaced = superseded(study)
+    last = max((t.number for t in study.get_trials(deepcopy=False)), default=-1)
+    replaced.update({key: last for key in keys})
+    study.set_user_attr(SUPERSEDED_ATTR, replaced)
+    if spec.search.method != "grid":
+        by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
+        for key in keys:
+            if key in by_key:
+                study.enqueue_trial(by_key[key], skip_if_exists=False)
+    return len(keys)
 
 
 def make_sampler(spec: Spec, already: int) -> Any:
@@ -98,6 +142,9 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
             optuna.delete_study(study_name=name, storage=storage)
     directions = [objective.direction for objective in spec.search.objectives]
     study = create_or_load(name, storage, directions)
+    if "spec_hash" not in study.user_attrs:  # what swept_elsewhere compares
+        study.set_user_attr("spec_hash", spec_hash(spec))
+        study.set_user_attr("hardware", spec._hardware or {})
     study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
     wanted = [f"{o.metric}:{o.direction}" for o in spec.search.objectives]
     recorded = study.user_attrs.get("objectives")
@@ -161,11 +208,13 @@ def tell(study: Any, trial: Any, spec: Spec, result: TrialResult, run_id: str) -
     trial.set_user_attr("status", result.status.value)
     trial.set_user_attr("mlflow_run_id", run_id)
     values = objective_values(spec, result)
+    # skip_if_finished: a trial failed meanwhile as a dead worker's (its heartbeat lapsed) is
+    # recorded in MLflow all the same; the tell must not turn that into a crash of this sweep.
     if values is None:
-        study.tell(trial, state=TrialState.FAIL)
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         return
     trial.set_constraint("memory", memory_constraint(spec, result))
-    study.tell(trial, values)
+    study.tell(trial, values, skip_if_finished=True)
 
 
 def trials_to_run(spec: Spec, recorded: int, more: int | None) -> int:
@@ -187,12 +236,11 @@ def active_keys(study: Any) -> set[str]:
     from optuna.trial import TrialState
 
     live = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)
+    replaced = superseded(study)
     return {
         t.user_attrs["trial_key"]
         for t in study.get_trials(deepcopy=False, states=live)
-        if "trial_key" in t.user_attrs
-        and "repeat_of" not in t.user_attrs
-        and not (t.user_attrs.get("abandoned") or t.user_attrs.get("stale"))
+        if "trial_key" in t.user_attrs and not released(t, replaced)
     }
 
 
@@ -200,10 +248,9 @@ def held_by_others(study: Any) -> bool:
     """Whether another live worker is running a point of this sweep right now."""
     from optuna.trial import TrialState
 
-    me = owner()
+    me, replaced = owner(), superseded(study)
     return any(
-        t.user_attrs.get("owner") not in (None, me)
-        and not (t.user_attrs.get("abandoned") or t.user_attrs.get("stale"))
+        t.user_attrs.get("owner") not in (None, me) and not released(t, replaced)
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     )
 
@@ -284,10 +331,11 @@ class SearchPlan:
         """Answer a proposal of a taken point with what that point gave (if it has finished)."""
         from optuna.trial import TrialState
 
+        replaced = superseded(self.study)
         earlier = [
             t
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.user_attrs.get("trial_key") == key and "repeat_of" not in t.user_attrs
+            if t.user_attrs.get("trial_key") == key and not released(t, replaced)
         ]
         trial.set_user_attr("repeat_of", key)
         if not earlier:

@@ -25,11 +25,12 @@ from rich.progress import (
 
 from harness.record.stores import redact
 from harness.record.tracking import Tracker
-from harness.spec import Spec, grid_hash, points
+from harness.spec import Spec, grid_hash, on_hardware, points
 from harness.sweep import claim, plan, preflight
 from harness.sweep.launch import launch_trial, start_warm_starter
 from harness.trial.config import TIMELINE_FILE, TIMELINE_PNG, TrialConfig
-from harness.trial.result import RETRYABLE, TrialResult
+from harness.trial.hardware import describe_hardware, host_hardware
+from harness.trial.result import OVER_BUDGET, RETRYABLE, Status, TrialResult
 from harness.units import format_bytes
 
 
@@ -80,6 +81,13 @@ def sweep_params(spec: Spec) -> dict[str, str]:
     }
 
 
+# ``--retry-failed``: which statuses each choice runs again.
+RETRY_STATUSES: dict[str, tuple[Status, ...]] = {
+    "failed": RETRYABLE,
+    "all": (*RETRYABLE, *OVER_BUDGET, Status.DIVERGED),
+}
+
+
 @dataclass
 class SweepState:
     """What every worker of one sweep shares: the study, the MLflow parent run, the spec."""
@@ -89,23 +97,37 @@ class SweepState:
     tracker: Tracker
     parent: str
     interrupted: int
+    retried: int = 0
+    # Set when this spec was swept before on other hardware: what that was.
+    other_hardware: str | None = None
 
 
 def prepare(
-    spec: Spec, fresh: bool = False, worker: bool = False, runs_trials: bool = True
+    spec: Spec,
+    fresh: bool = False,
+    worker: bool = False,
+    runs_trials: bool = True,
+    retry: str | None = None,
 ) -> SweepState:
     """Open (or start) the sweep's study and MLflow parent run; fail dead workers' trials.
 
-    A ``worker`` joins a sweep that others may be running: it neither starts afresh nor deletes
-    half-written trial runs (those may be another worker's, being written right now). Where
-    this process ``runs_trials``, the warm trial starter imports torch meanwhile.
+    The spec is first tied to this host's hardware (``harness.trial.hardware``): the resolved
+    device and its name are part of every trial's identity, so the same spec on other hardware
+    is another sweep. A ``worker`` joins a sweep that others may be running: it neither starts
+    afresh nor deletes half-written trial runs (those may be another worker's, being written
+    right now). Where this process ``runs_trials``, the warm trial starter imports torch
+    meanwhile. ``retry`` (``failed`` or ``all``) frees the points of recorded trials with those
+    statuses (``RETRY_STATUSES``) so they run again under the same parent run.
     """
     preflight.check_stores(spec)  # before anything is created or any trial runs
     if runs_trials:
         preflight.check_device(spec)
+    spec = on_hardware(spec, host_hardware(spec.device))
+    if runs_trials:
         start_warm_starter()
     results_dir = Path(spec.tracking.results_dir)
     study = plan.open_study(spec, fresh=fresh)
+    other_hardware = plan.swept_elsewhere(study, spec)
     interrupted = claim.fail_stale_trials(study)
     tracker = Tracker(
         spec.tracking.mlflow_uri, spec.experiment, results_dir / "mlartifacts" / spec.experiment
@@ -118,6 +140,7 @@ def prepare(
             "spec_name": spec.name,
             "grid_hash": grid_hash(spec),
             "study_name": study.study_name,
+            **hardware_tags(spec),
         },
         params=sweep_params(spec),
     )
@@ -130,18 +153,61 @@ def prepare(
                 tracker.client.delete_run(parent)
                 parent = settled
         if spec._source and parent == study.user_attrs.get("mlflow_parent_run_id"):
-            tracker.client.log_artifact(parent, spec._source, artifact_path="spec")
+            log_spec(tracker, parent, Path(spec._source))
+    retried = 0
     if not worker:
         tracker.discard_unfinished_trials(parent)  # each also left a stale study trial
-    return SweepState(spec, study, tracker, parent, interrupted)
+        if retry:
+            statuses = {status.value for status in RETRY_STATUSES[retry]}
+            keys = tracker.supersede_trials(parent, statuses)
+            retried = plan.free_points(study, spec, keys)
+    return SweepState(spec, study, tracker, parent, interrupted, retried, other_hardware)
+
+
+def log_spec(tracker: Tracker, parent: str, source: Path) -> None:
+    """The spec file on the parent run, every password in its URLs replaced by ``***``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        copy = Path(folder) / source.name
+        copy.write_text(redact(source.read_text()))
+        tracker.client.log_artifact(parent, str(copy), artifact_path="spec")
+
+
+def hardware_tags(spec: Spec) -> dict[str, str]:
+    """The parent run's ``device`` and ``device_name`` tags: what its trials ran on."""
+    return {key: str(value) for key, value in (spec._hardware or {}).items()}
 
 
 def run_sweep(
-    spec: Spec, console: Console, fresh: bool = False, more_trials: int | None = None
+    spec: Spec,
+    console: Console,
+    fresh: bool = False,
+    more_trials: int | None = None,
+    retry: str | None = None,
 ) -> SweepOutcome:
     """The whole sweep in this process (``--workers N``: ``harness.sweep.workers``)."""
-    state = prepare(spec, fresh=fresh)
+    state = prepare(spec, fresh=fresh, retry=retry)
+    announce(state, console)
     return work(state, console, more_trials)
+
+
+def announce(state: SweepState, console: Console) -> None:
+    """One line each for what a user must know before trials start: the spec was swept on
+    other hardware (so this is a new sweep), trials superseded for a retry."""
+    if state.other_hardware:
+        console.print(
+            f"This spec was swept on {state.other_hardware}; this host runs "
+            f"{describe_hardware(state.spec._hardware or {})}: starting a new sweep (hardware is part "
+            "of a trial's identity; the earlier results stay in MLflow).",
+            soft_wrap=True,
+        )
+    if state.retried:
+        console.print(
+            f"Retrying {state.retried} recorded trial(s): their runs are marked superseded "
+            "(deleted in MLflow, restorable) and they run again in this sweep.",
+            soft_wrap=True,
+        )
 
 
 def work(
@@ -206,13 +272,17 @@ def work(
                     progress.update(task, description=f"trial {index}/{total}: {label}")
                     started_ms = int(time.time() * 1000)
                     workdir = experiment_dir / "trials" / config.trial_key
+                    # The heartbeat covers the whole trial: drawing and recording can take
+                    # long on a slow store, and a lapse would hand the point to another worker.
                     with claim.heartbeat(trial):
                         result = run_with_retries(spec, config, workdir)
-                    problem = draw_timeline(workdir, label)
-                    if problem:
-                        progress.console.print(f"[yellow]{problem}[/]", soft_wrap=True)
-                    run_id = tracker.log_trial(parent, config, result, workdir, started_ms, label)
-                    plan.tell(study, trial, spec, result, run_id)
+                        problem = draw_timeline(workdir, label)
+                        if problem:
+                            progress.console.print(f"[yellow]{problem}[/]", soft_wrap=True)
+                        run_id = tracker.log_trial(
+                            parent, config, result, workdir, started_ms, label
+                        )
+                        plan.tell(study, trial, spec, result, run_id)
                     progress.console.print(
                         f"[{index}/{total}] {label:<28} {describe(result)}  "
                         f"[{result.wall_time_s or 0:.1f}s]",
@@ -261,9 +331,10 @@ def with_tracking(spec: Spec, **changes: str | None) -> Spec:
 
 
 def status_counts(recorded: dict[str, str]) -> dict[str, float]:
-    """The parent run's ``trials_<status>`` metrics, over the whole sweep (resumes included)."""
+    """The parent run's ``trials_<status>`` metrics, over the whole sweep (resumes included);
+    every status has one, zero too, so a retried crash no longer counts."""
     counts = Counter(recorded.values())
-    return {f"trials_{status}": float(n) for status, n in counts.items()}
+    return {f"trials_{status.value}": float(counts.get(status.value, 0)) for status in Status}
 
 
 def run_with_retries(spec: Spec, config: TrialConfig, workdir: Path) -> TrialResult:

@@ -2,7 +2,8 @@
 
 The sweep is prepared here (study, MLflow parent run); then N ``harness worker`` processes take
 its points (``harness.sweep.claim``). A SQLite study becomes a journal file, since SQLite is
-not safe for concurrent writers; on a multi-GPU host each worker gets its own GPU.
+not safe for concurrent writers; on a multi-GPU host each worker gets GPUs of its own (as many as
+its largest trial's world size), and more workers than the GPUs allow are refused.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import sys
 
 from rich.console import Console
 
+from harness.contract import STORAGE_ENV, TRACKING_ENV
 from harness.record.stores import redact, shared_storage
-from harness.spec import Spec, points
-from harness.sweep.run import SweepOutcome, prepare, status_counts, with_tracking
+from harness.spec import Spec, SpecError, points, trial_configs
+from harness.sweep.run import SweepOutcome, announce, prepare, status_counts, with_tracking
 
 
-def run_with_workers(spec: Spec, console: Console, fresh: bool, workers: int) -> SweepOutcome:
+def run_with_workers(
+    spec: Spec, console: Console, fresh: bool, workers: int, retry: str | None = None
+) -> SweepOutcome:
     """``--workers N``: prepare the sweep here, then N ``harness worker`` processes share it."""
     storage = shared_storage(spec.tracking.storage)
     if storage != spec.tracking.storage:
@@ -27,19 +31,21 @@ def run_with_workers(spec: Spec, console: Console, fresh: bool, workers: int) ->
             "(SQLite is not safe for concurrent writers)."
         )
         spec = with_tracking(spec, storage=storage)
+    gpus = gpu_count()
+    per_worker = gpus_per_worker(spec)
+    check_gpus(spec, workers, per_worker, gpus)
     warn_about_cpu_sharing(console, spec)
-    state = prepare(spec, fresh=fresh, runs_trials=False)
-    source = spec._source or ""
-    command = [
-        sys.executable, "-m", "harness", "worker", source,
-        "--storage", spec.tracking.storage, "--tracking-uri", spec.tracking.mlflow_uri,
-    ]  # fmt: skip
+    state = prepare(spec, fresh=fresh, runs_trials=False, retry=retry)
+    announce(state, console)
+    # The stores go by environment, not argv: a password in a URL would show in `ps`.
+    command = [sys.executable, "-m", "harness", "worker", spec._source or ""]
+    stores = {STORAGE_ENV: spec.tracking.storage, TRACKING_ENV: spec.tracking.mlflow_uri}
     processes = []
     for index in range(workers):
-        env = dict(os.environ)
-        gpu = gpu_for_worker(index)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
+        env = {**os.environ, **stores}
+        visible = gpus_for_worker(index, per_worker, gpus)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         processes.append(subprocess.Popen(command, env=env))
     try:
         codes = [process.wait() for process in processes]
@@ -61,10 +67,29 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def gpu_for_worker(index: int) -> str | None:
-    """One GPU per worker on a multi-GPU host (round robin); None on a CPU-only machine."""
-    count = gpu_count()
-    return str(index % count) if count > 1 else None
+def gpus_per_worker(spec: Spec) -> int:
+    """GPUs one worker needs: its largest trial's world size (``ddp:K``/``fsdp:K``: K)."""
+    return max(config.world_size for config in trial_configs(spec))
+
+
+def check_gpus(spec: Spec, workers: int, per_worker: int, gpus: int) -> None:
+    """Refuse, before anything starts, N workers of K GPUs each on a host with fewer than
+    N*K: they would share cards and measure each other's memory and speed."""
+    if gpus and workers * per_worker > gpus:
+        raise SpecError(
+            f"{spec._source or '<spec>'}: --workers {workers}: each worker needs {per_worker} "
+            f"GPU(s) (its largest trial's world size) and this host has {gpus}; use "
+            f"--workers {max(1, gpus // per_worker)} or fewer"
+        )
+
+
+def gpus_for_worker(index: int, per_worker: int, gpus: int) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for worker ``index``: its own ``per_worker`` GPUs (worker 0 the
+    first K, worker 1 the next K, ...); None on a CPU-only or one-GPU host (nothing to split)."""
+    if gpus <= 1:
+        return None
+    first = index * per_worker
+    return ",".join(str(gpu) for gpu in range(first, first + per_worker))
 
 
 def warn_about_cpu_sharing(console: Console, spec: Spec) -> None:

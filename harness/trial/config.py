@@ -14,14 +14,15 @@ from typing import Any
 from harness.strategies import world_size
 from harness.workloads import resolve_knobs
 
-NOT_DEFINING = ("python_path", "run_infeasible", "timeline")
+NOT_DEFINING = ("python_path", "run_infeasible", "timeline", "allocator_snapshot")
 # Fields added after sweeps were first recorded count in the key only when set, so a spec that
 # does not use them keeps its trial keys (and resumes its sweep).
 KEYED_WHEN_SET: dict[str, Any] = {"model_loss": None, "lora": None, "hardware": None}
 # Files a trial writes beside its result.json (all logged as MLflow artifacts under trial/).
 TIMELINE_FILE = "timeline.json"  # harness.meters.timeline's samples of the memory window
 TIMELINE_PNG = "timeline.png"  # drawn from it by the sweep (matplotlib is not a trial need)
-SNAPSHOT_FILE = "memory_snapshot.pickle"  # CUDA only: for PyTorch's memory viewer
+SNAPSHOT_FILE = "memory_snapshot.pickle"  # CUDA, measure.allocator_snapshot: PyTorch's viewer
+STEP_TIMES_FILE = "step_times.json"  # the timed window's raw per-step times (rank 0's)
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,13 @@ class TrialConfig:
     # H200's. None where nothing runs (estimates, dry runs without a host probe).
     hardware: dict[str, str] | None = None
     # Not part of the key: where user model code (``module:attr``) is importable from, whether
-    # to run a trial even when it is predicted not to fit, and whether to record the memory
-    # timeline (it changes no measurement).
+    # to run a trial even when it is predicted not to fit, whether to record the memory
+    # timeline and (CUDA only) the allocator's history: both run in the untimed memory window
+    # and change no measurement.
     python_path: list[str] = field(default_factory=list)
     run_infeasible: bool = False
     timeline: bool = True
+    allocator_snapshot: bool = False
 
     @property
     def strategy_text(self) -> str:

@@ -82,7 +82,7 @@ def host_hardware(device: str) -> dict[str, str]:
     return {"device": str(found["device"]), "device_name": str(found["device_name"])}
 
 
-def describe(hardware: dict[str, str]) -> str:
+def describe_hardware(hardware: dict[str, str]) -> str:
     """One phrase for messages, e.g. ``cuda (NVIDIA H200)``."""
     return f"{hardware.get('device', '?')} ({hardware.get('device_name', '?')})"
 

@@ -13,15 +13,10 @@ from typing import Any
 
 import torch
 
+from harness.workloads.sizes import corpus_bytes
 from harness.workloads.tensors import INPUTS, TARGETS, DataInfo, SplitData
 
 VOCAB = 256
-
-
-def corpus_bytes() -> bytes:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
 
 
 def windows(tokens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
