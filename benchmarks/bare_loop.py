@@ -2,23 +2,22 @@
 
 A plain PyTorch training loop doing exactly the work a harness trial times (the same model
 code, data, batch, dtype, optimizer settings and number of steps), with none of the harness
-around it: no strategies, no precision wrapper, no process group, no loss bookkeeping. Each
-step is timed like the harness times it (device synchronised, medians), and the wall clock of
+around it: no strategies, no precision wrapper, no process group, no loss bookkeeping. The
+timed steps are timed by the harness's own ``StepTimer`` (back to back, the device synchronised
+only around them; CUDA events or the host clock between steps, medians), and the wall clock of
 the whole block is reported beside it.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from harness.meters.timing import synchronize  # torch.cuda.synchronize on CUDA, else nothing
+from harness.meters.timing import StepTimer
 from harness.trial.config import TrialConfig
 from harness.workloads import build_workload, load_dataset
 from harness.workloads.tensors import INPUTS, TARGETS, batches
@@ -56,21 +55,16 @@ def main(config_path: str, out_path: str) -> None:
         F.cross_entropy(logits.flatten(0, -2).float(), y.flatten()).backward()
         optimizer.step()
 
-    seconds = []
-    for index, (x, y) in enumerate(staged):
-        synchronize(device)
-        start = time.perf_counter()
+    for x, y in staged[:warmup]:  # the harness's warm-up and memory-window steps, untimed
         step(x, y)
-        synchronize(device)
-        if index >= warmup:
-            seconds.append(time.perf_counter() - start)
+    timer = StepTimer(device)
+    timer.run(lambda batch: step(*batch), staged[warmup:])
     samples = size * data.info.tokens_per_sample
     Path(out_path).write_text(
         json.dumps(
             {
-                "throughput": samples / statistics.median(seconds),
-                "throughput_wall": samples * len(seconds) / sum(seconds),
-                "step_time_ms_p50": statistics.median(seconds) * 1000,
+                **timer.metrics(samples),
+                "throughput_wall": samples * len(timer.step_ms) / (sum(timer.step_ms) / 1000),
                 "torch_threads": torch.get_num_threads(),
             }
         )

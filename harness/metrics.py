@@ -8,6 +8,10 @@ METRICS: dict[str, str] = {
     "(CUDA: max_memory_allocated; CPU: tensor accounting)",
     "peak_reserved_bytes": "CUDA only: the caching allocator's peak reservation "
     "(reserved - allocated = caching/fragmentation overhead)",
+    "peak_device_bytes": "CUDA only: estimated device-level peak, peak_reserved_bytes plus what "
+    "the device held outside the allocator after the window (cudaMemGetInfo total - free - "
+    "memory_reserved: CUDA context, NCCL and library buffers, other processes); not the "
+    "trial's peak",
     "peak_rss_bytes": "the trial process's resident-set high-water mark over its whole life "
     "(a warm-started trial counts only the shared library pages it touches itself)",
     "mem_param_bytes": "breakdown at the peak: parameters",
@@ -19,9 +23,13 @@ METRICS: dict[str, str] = {
     "num_params": "trainable parameters of the model as built for the trial",
     "num_params_total": "all parameters of the model as built, frozen ones included (a LoRA "
     "base); equals num_params when nothing is frozen",
-    "throughput": "samples/s, median over the timed steps, device synchronised",
+    "throughput": "samples/s: samples per step / the median timed-step time (steps run back to "
+    "back, the device synchronised only around the timed window)",
     "step_time_ms_p50": "median timed-step latency in milliseconds",
     "step_time_ms_p90": "90th-percentile timed-step latency in milliseconds",
+    "step_time_ms_p99": "99th-percentile timed-step latency in milliseconds",
+    "step_time_cv": "coefficient of variation of the timed steps' times (sample stdev / mean; "
+    "0 for one step): how steady the steps were",
     "accuracy": "held-out accuracy after the training budget",
     "eval_loss": "held-out cross-entropy after the training budget",
     "train_loss": "mean training loss over the last epoch's worth of steps "

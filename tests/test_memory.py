@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from harness.spec import parse_spec, trial_configs
+from harness.trial.loop import check_budget
+from harness.trial.result import Status, TrialFailure
 from harness.trial.run import run_trial
 
 
@@ -89,3 +91,29 @@ def test_cpu_peak_is_repeatable(base_spec):
     first = mlp_trial(copy.deepcopy(base_spec), batch_size=64)
     second = mlp_trial(copy.deepcopy(base_spec), batch_size=64)
     assert first["peak_allocated_bytes"] == second["peak_allocated_bytes"]
+
+
+def test_cpu_has_no_allocator_or_device_figures(base_spec):
+    metrics = mlp_trial(base_spec)
+    assert "peak_reserved_bytes" not in metrics and "peak_device_bytes" not in metrics
+
+
+def test_cpu_budget_check_compares_the_allocated_peak(base_spec):
+    base_spec["device_memory"] = "8KiB"
+    base_spec["limits"] = {"run_infeasible": True}
+    result = run_trial(trial_configs(parse_spec(base_spec))[0])
+    assert result.status == "oom"
+    assert result.failure_reason.startswith("peak allocated ")
+    assert result.failure_reason.endswith("exceeds device_memory 8.00 KiB")
+
+
+def test_cuda_budget_check_compares_the_reserved_peak():
+    # What the per-process memory fraction caps is the reservation: a reading within budget by
+    # its allocated bytes but over it by its reserved bytes is what OOMs on that card.
+    reading = {"peak_allocated_bytes": 900.0, "peak_reserved_bytes": 2048.0}
+    with pytest.raises(TrialFailure) as failure:
+        check_budget(reading, 1024)
+    assert failure.value.status is Status.OOM
+    assert failure.value.reason == "peak reserved 2.00 KiB exceeds device_memory 1.00 KiB"
+    check_budget(reading, 4096)  # within budget: no failure
+    check_budget(reading, None)  # no budget: nothing to compare

@@ -5,6 +5,19 @@ peak. CPU has no such counters, so the peak comes from tensor accounting: PyTorc
 ``MemTracker`` sees every storage created in the window, plus the model, optimizer and staged
 batches registered up front. Both devices use ``MemTracker``'s snapshot at the peak for the
 breakdown. The tracker slows steps several times, which is why timing runs in its own window.
+
+Device level (CUDA only, ``peak_device_bytes``): the allocator's peak reservation plus what
+lives on the device outside the allocator at the end of the window, read with
+``cudaMemGetInfo``. It is an estimate of the device's high-water mark, not a measured peak:
+the outside part (CUDA context, cuBLAS/cuDNN workspaces not served by the caching allocator,
+NCCL buffers, and any other process on the same GPU) is taken as it stands after the window,
+so a transient outside allocation inside the window is missed and another process's usage is
+counted. It is its own figure (design notes §4), never the trial's peak.
+
+The allocator snapshot (CUDA only, opt-in): the caching allocator's alloc/free history over the
+window, dumped for PyTorch's memory viewer. Bounded to ``SNAPSHOT_MAX_ENTRIES`` events with
+Python-only stacks for allocations (the cheapest tracebacks torch offers; it has no stack-depth
+knob); a failure to record or dump it is noted, never raised.
 """
 
 from __future__ import annotations
@@ -18,6 +31,10 @@ from harness.meters.accounting import PeakTracker, fold, on_device, optimizer_st
 from harness.meters.timeline import TimelineTracker
 from harness.metrics import breakdown_metric
 
+# The allocator history's ring buffer: the newest this many alloc/free events are kept (each
+# holds a traceback, a few KB of host memory).
+SNAPSHOT_MAX_ENTRIES = 20_000
+
 
 @dataclass(frozen=True)
 class MemoryReading:
@@ -28,6 +45,7 @@ class MemoryReading:
     mem_activation_bytes: int
     mem_other_bytes: int
     peak_reserved_bytes: int | None = None
+    peak_device_bytes: int | None = None
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items() if v is not None}
@@ -61,6 +79,8 @@ class MemoryWindow:
         self.tracker.track_external(model, optimizer, *staged)
         # CUDA only: where to dump the allocator's history for PyTorch's memory viewer.
         self.allocator_snapshot = allocator_snapshot if self.allocator_counters else None
+        # Why the snapshot was not written, if it was asked for and failed.
+        self.snapshot_error: str | None = None
         self.reading: MemoryReading | None = None
 
     def __enter__(self) -> MemoryWindow:
@@ -68,7 +88,7 @@ class MemoryWindow:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.allocator_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            self._start_history()
         if self.timeline_tracker is not None:
             self.timeline_tracker.persistent_optim = optimizer_state_bytes(self.optimizer)
         self.tracker.__enter__()
@@ -83,14 +103,38 @@ class MemoryWindow:
     def __exit__(self, *exc: Any) -> None:
         self.tracker.__exit__(*exc)
         if self.allocator_snapshot:
-            try:
-                torch.cuda.memory._dump_snapshot(self.allocator_snapshot)
-            finally:
-                torch.cuda.memory._record_memory_history(enabled=None)
+            self._dump_history(self.allocator_snapshot)
         if self.timeline_tracker is not None:
             self.timeline_tracker.close()
         if exc[0] is None:
             self.reading = self._read()
+
+    def _start_history(self) -> None:
+        """Record the allocator's history, bounded; a refusal only loses the snapshot."""
+        try:
+            torch.cuda.memory._record_memory_history(
+                enabled="all",
+                context="alloc",  # tracebacks of allocations only, not of frees
+                stacks="python",  # no C++ frames: the smallest stacks torch records
+                max_entries=SNAPSHOT_MAX_ENTRIES,  # the whole process's allocator, every device
+            )
+        except Exception as error:  # an old driver, a build without it: the trial goes on
+            self.snapshot_error = f"allocator history not recorded: {type(error).__name__}: {error}"
+            self.allocator_snapshot = None
+
+    def _dump_history(self, path: str) -> None:
+        """Write the history for the memory viewer and stop recording, whatever happens."""
+        try:
+            torch.cuda.memory._dump_snapshot(path)
+        except Exception as error:
+            self.snapshot_error = f"allocator snapshot not written: {type(error).__name__}: {error}"
+        finally:
+            try:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception as error:
+                self.snapshot_error = self.snapshot_error or (
+                    f"allocator history not stopped: {type(error).__name__}: {error}"
+                )
 
     def timeline(self, steps: int, micro_batches: int) -> dict[str, Any] | None:
         """The window's memory timeline (``harness.meters.timeline``), if it was recorded."""
@@ -102,11 +146,12 @@ class MemoryWindow:
         by_type = on_device(self.tracker.get_tracker_snapshot("peak"), self.device)
         parts = fold(by_type, optimizer_state_bytes(self.optimizer))
         tracked_peak = by_type.get("Total", 0)
-        reserved = None
+        reserved = device_peak = None
         if self.allocator_counters:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
+            device_peak = device_peak_bytes(self.device, reserved)
             # Allocations the tracker cannot see (library workspaces, caches) count as "other".
             parts["other"] += max(0, peak - tracked_peak)
         else:
@@ -115,4 +160,15 @@ class MemoryWindow:
             peak_allocated_bytes=int(peak),
             **{breakdown_metric(category): int(value) for category, value in parts.items()},
             peak_reserved_bytes=None if reserved is None else int(reserved),
+            peak_device_bytes=device_peak,
         )
+
+
+def device_peak_bytes(device: torch.device, peak_reserved: int) -> int:
+    """CUDA: the allocator's peak reservation plus what the device holds outside the allocator
+    now (``total - free`` from ``cudaMemGetInfo`` minus ``memory_reserved``): the context, NCCL
+    and library buffers, other processes. An estimate of the device-level peak (see the module
+    docstring for what it misses and what it over-counts)."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = (total - free) - torch.cuda.memory_reserved(device)
+    return int(peak_reserved + max(0, outside))

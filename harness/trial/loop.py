@@ -24,7 +24,7 @@ from harness.meters.accuracy import evaluate
 from harness.meters.host import peak_rss_bytes
 from harness.meters.memory import MemoryWindow
 from harness.meters.timing import StepTimer, synchronize
-from harness.trial.config import SNAPSHOT_FILE, TIMELINE_FILE
+from harness.trial.config import SNAPSHOT_FILE, STEP_TIMES_FILE, TIMELINE_FILE
 from harness.trial.distributed import Ranks
 from harness.trial.result import Status, TrialFailure, TrialResult
 from harness.trial.setup import Setup
@@ -81,7 +81,8 @@ class TrainingLoop:
         self.setup = setup
         self.data = data
         self.measured = measured
-        # Where the memory timeline (and on CUDA the allocator snapshot) go; None: nowhere.
+        # Where the memory timeline, the step times (and on CUDA the allocator snapshot) go;
+        # None: nowhere.
         self.output_dir = output_dir
         config = setup.config
         self.per_epoch = steps_per_epoch(data.train_size, config.batch_size)
@@ -123,22 +124,28 @@ class TrainingLoop:
     def measure_memory(self, steps: int) -> None:
         setup, config, metrics = self.setup, self.setup.config, self.measured.metrics
         staged = [self.next_batch() for _ in range(steps)]
-        record = config.timeline and self.output_dir is not None and setup.ranks.is_writer
+        writes = self.output_dir is not None and setup.ranks.is_writer
+        snapshot = writes and config.allocator_snapshot
         window = MemoryWindow(
             setup.device,
             setup.model,
             setup.optimizer,
             [t for batch in staged for t in batch.values()],
-            timeline=record,
-            allocator_snapshot=str(self.output_dir / SNAPSHOT_FILE) if record else None,
+            timeline=writes and config.timeline,
+            allocator_snapshot=str(self.output_dir / SNAPSHOT_FILE) if snapshot else None,
         )
-        with window:
-            synchronize(setup.device)
-            start = time.perf_counter()
-            for batch in staged:
-                self.record_loss(setup.train_step(batch, on_micro_batch=window.micro_batch_done))
-            synchronize(setup.device)
-            tracked_s = time.perf_counter() - start
+        try:
+            with window:
+                synchronize(setup.device)
+                start = time.perf_counter()
+                for batch in staged:
+                    loss = setup.train_step(batch, on_micro_batch=window.micro_batch_done)
+                    self.record_loss(loss)
+                synchronize(setup.device)
+                tracked_s = time.perf_counter() - start
+        finally:  # an OOM in the window keeps the note too
+            if window.snapshot_error:
+                self.measured.info["allocator_snapshot"] = window.snapshot_error
         metrics["memory_step_time_ms"] = tracked_s / max(steps, 1) * 1000
         timeline = window.timeline(steps, setup.micro_batches)
         if timeline is not None and self.output_dir is not None:
@@ -154,12 +161,7 @@ class TrainingLoop:
             metrics["prediction_ratio"] = (
                 metrics["predicted_peak_bytes"] / reading["peak_allocated_bytes"]
             )
-        peak, budget = reading["peak_allocated_bytes"], config.device_memory_bytes
-        if budget is not None and peak > budget:
-            raise TrialFailure(
-                Status.OOM,
-                f"peak allocated {format_bytes(peak)} exceeds device_memory {format_bytes(budget)}",
-            )
+        check_budget(reading, config.device_memory_bytes)
 
     def measure_speed(self, steps: int) -> None:
         setup = self.setup
@@ -169,11 +171,30 @@ class TrainingLoop:
         gc.collect()
         staged = [self.next_batch() for _ in range(steps)]
         timer = StepTimer(setup.device)
-        for batch in staged:
-            loss = timer.time(lambda batch=batch: setup.train_step(batch))
-            self.record_loss(loss)
+        # Back to back, the device synchronised only around the window (harness.meters.timing);
+        # the losses are read after it, since reading one would synchronise between steps.
+        losses = timer.run(setup.train_step, staged)
+        del staged
         speed = timer.metrics(setup.samples_per_step)
         self.measured.metrics.update(setup.ranks.combined_speed(speed))
+        if self.output_dir is not None and setup.ranks.is_writer:
+            self.write_step_times(timer)
+        for loss in losses:
+            self.record_loss(loss)
+
+    def write_step_times(self, timer: StepTimer) -> None:
+        """Rank 0's raw per-step times beside the result, for distributions the percentiles
+        summarise (``step_times.json``)."""
+        assert self.output_dir is not None
+        setup = self.setup
+        data = {
+            **timer.artifact(),
+            "trial_key": setup.config.trial_key,
+            "samples_per_step": setup.samples_per_step,
+            "rank": setup.ranks.rank,
+            "world_size": setup.ranks.size,
+        }
+        (self.output_dir / STEP_TIMES_FILE).write_text(json.dumps(data, separators=(",", ":")))
 
     def train_rest(self, steps: int) -> None:
         """The remaining budget, batches moved at each step: what an epoch really takes."""
@@ -194,3 +215,18 @@ class TrainingLoop:
         if not math.isfinite(value):
             step = len(self.measured.loss_history)
             raise TrialFailure(Status.DIVERGED, f"training loss became {value} at step {step}")
+
+
+def check_budget(reading: dict[str, float], budget: int | None) -> None:
+    """A peak over ``device_memory`` is what that card would do: ``oom``. Compared is the figure
+    the card's cap applies to: on CUDA ``set_per_process_memory_fraction`` (``emulate_card``)
+    caps the allocator's reservation, so reserved; on CPU (no allocator counters) allocated."""
+    if budget is None:
+        return
+    figure = "reserved" if "peak_reserved_bytes" in reading else "allocated"
+    peak = reading[f"peak_{figure}_bytes"]
+    if peak > budget:
+        raise TrialFailure(
+            Status.OOM,
+            f"peak {figure} {format_bytes(peak)} exceeds device_memory {format_bytes(budget)}",
+        )
