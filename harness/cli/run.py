@@ -15,6 +15,23 @@ from harness.spec import SpecError, load_spec, on_hardware, points, trial_config
 from harness.units import format_bytes
 
 
+class RetryChoice(click.Choice):
+    """``--retry-failed`` takes an optional value, so a SPEC written after it is read as one:
+    say how to write it instead of only "not one of"."""
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> str:
+        if isinstance(value, str) and value not in self.choices:
+            self.fail(
+                f"{value!r} is not failed or all (write SPEC before --retry-failed, or "
+                "--retry-failed=failed / --retry-failed=all)",
+                param,
+                ctx,
+            )
+        return super().convert(value, param, ctx)
+
+
 @click.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
@@ -40,7 +57,7 @@ from harness.units import format_bytes
 @click.option(
     "--retry-failed",
     "retry",
-    type=click.Choice(["failed", "all"]),
+    type=RetryChoice(["failed", "all"]),
     is_flag=False,
     flag_value="failed",
     default=None,
