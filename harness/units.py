@@ -81,3 +81,22 @@ def format_count(num: float | None) -> str:
         if abs(value) >= size:
             return f"{value / size:.3g} {unit}"
     return f"{value:.0f}"
+
+
+def format_quantity(num: float | None, unit: str = "", digits: int = 3) -> str:
+    """One number format for every table and picture: ``digits`` significant digits, a
+    thousands prefix (k, M, G, T) from 1,000 up, and the unit, e.g. ``2.60k samples/s``,
+    ``12.3 ms``, ``0.987``; ``-`` when unknown. (Bytes have ``format_bytes``.)"""
+    if num is None or num != num:
+        return "-"
+    value = float(num)
+    suffix = f" {unit}" if unit else ""
+    if value == 0:
+        return "0" + suffix
+    if abs(value) < 10 ** -(digits - 1):  # tiny: scientific is the honest form
+        return f"{value:.{digits - 1}e}{suffix}"
+    for prefix, size in (("", 1.0), ("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        scaled = float(f"{value / size:.{digits}g}")
+        if abs(scaled) < 1000 or prefix == "T":
+            return f"{scaled:#.{digits}g}".rstrip(".") + prefix + suffix
+    raise AssertionError("unreachable")

@@ -42,3 +42,17 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3 * 2**30) == "3.00 GiB"
     assert format_bytes(None) == "-"
+
+
+def test_one_number_format_with_units_and_prefixes():
+    from harness.units import format_quantity
+
+    assert format_quantity(2602, "samples/s") == "2.60k samples/s"
+    assert format_quantity(10540, "samples/s") == "10.5k samples/s"
+    assert format_quantity(999.96) == "1.00k"  # rounding moves it to the next prefix
+    assert format_quantity(12.345, "ms") == "12.3 ms"
+    assert format_quantity(0.98712) == "0.987"
+    assert format_quantity(123456789, "tokens/s") == "123M tokens/s"
+    assert format_quantity(1.5e-5) == "1.50e-05"
+    assert format_quantity(0) == "0" and format_quantity(float("nan")) == "-"
+    assert format_quantity(None, "ms") == "-"
