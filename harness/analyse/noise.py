@@ -1,0 +1,53 @@
+"""Whether a trial's speed figures can be compared: steady steps, nothing competing.
+
+Why: on a shared or small machine the same loop runs at 421 and at 32,079 samples/s in
+consecutive processes (2 OpenMP threads on 2 busy cores: each parallel region waits for a
+descheduled thread). A throughput measured like that is a number, not a measurement; every
+table, summary and report marks it with the reason from here, so nobody compares it.
+
+The rule reads a trial's recorded metrics (a results-table row or a ``TrialResult``'s
+metrics): the spread of its timed steps (``step_time_cv``, ``step_time_ms_p90`` /
+``step_time_ms_p50``) and, on CPU, what competed for the cores during the timed window
+(``timing_other_busy_cores``, ``timing_steal_fraction``, ``timing_free_cores`` against the
+trial's ``torch_threads``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+MAX_CV = 0.10  # timed steps' stdev / mean above this: too unsteady to compare
+MAX_P90_OVER_P50 = 1.25
+MAX_STEAL = 0.05  # share of CPU time the hypervisor took from this VM during timing
+NOISY_MARK = "~"  # put after a throughput figure that is flagged
+
+
+def _number(row: Mapping[str, Any], key: str) -> float | None:
+    value = row.get(key)
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def noise_reason(row: Mapping[str, Any]) -> str | None:
+    """Why this trial's throughput is too noisy to compare (one short phrase), or None."""
+    reasons = []
+    cv = _number(row, "step_time_cv")
+    if cv is not None and cv > MAX_CV:
+        reasons.append(f"step times vary {cv:.0%} (CV)")
+    p50, p90 = _number(row, "step_time_ms_p50"), _number(row, "step_time_ms_p90")
+    if p50 and p90 and p90 / p50 > MAX_P90_OVER_P50 and not reasons:
+        reasons.append(f"p90 step {p90 / p50:.2f}x the median")
+    steal = _number(row, "timing_steal_fraction")
+    if steal is not None and steal > MAX_STEAL:
+        reasons.append(f"{steal:.0%} CPU steal")
+    free, threads = _number(row, "timing_free_cores"), _number(row, "torch_threads")
+    if free is not None and threads is not None and threads > free + 0.5:
+        reasons.append(f"{threads:.0f} threads on {max(free, 0):.1f} free cores")
+    return "; ".join(reasons) or None
