@@ -283,7 +283,7 @@ def test_a_crash_is_retried_and_a_real_allocation_failure_is_oom(tmp_path, base_
     assert done.returncode == 0, done.stderr
     frame = load("retried", f"sqlite:///{tmp_path}/results/mlflow.db").set_index("model_size")
     assert frame.loc["once", "status"] == "ok"  # crashed (SIGSEGV) once, then ran
-    assert frame.loc["once", "attempts"] == "2"
+    assert frame.loc["once", "attempts"] == 2
     assert frame.loc["huge", "status"] == "oom"  # the CPU allocator refused 1 PiB
     assert "can't allocate memory" in frame.loc["huge", "failure_reason"]
-    assert frame.loc["huge", "attempts"] == "1"  # oom is an answer, not retried
+    assert frame.loc["huge", "attempts"] == 1  # oom is an answer, not retried

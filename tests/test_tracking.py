@@ -51,6 +51,8 @@ def test_trial_run_round_trips_to_a_typed_row(store, base_spec):
     assert row["trial_key"] == config.trial_key and row["status"] == "ok"
     assert row["batch_size"] == 32 and str(frame["batch_size"].dtype) == "Int64"
     assert row["throughput"] == 123.5 and frame["throughput"].dtype == "float64"
+    assert row["attempts"] == 1 and str(frame["attempts"].dtype) == "Int64"
+    assert str(frame["device_memory_bytes"].dtype) == "Int64"
     assert row["momentum"] == 0.9 and not row["foreach"] and row["torch_threads"] == 2
     assert row["knob_width"] == 16 and row["model"] == "mlp" and row["strategy"] == "none"
     assert "train_loss_step" not in frame  # a per-step history, not a column

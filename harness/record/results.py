@@ -50,8 +50,10 @@ INT_PARAMS = {
     "memory_steps",
     "timed_steps",
     "torch_threads",
+    "attempts",
+    "device_memory_bytes",
 }
-FLOAT_PARAMS = {"lr", "weight_decay", "momentum", "device_memory_bytes"}
+FLOAT_PARAMS = {"lr", "weight_decay", "momentum"}
 BOOL_PARAMS = {"foreach"}
 TAG_COLUMNS = (
     "torch_threads",
