@@ -30,6 +30,17 @@ METRICS: dict[str, str] = {
     "step_time_ms_p99": "99th-percentile timed-step latency in milliseconds",
     "step_time_cv": "coefficient of variation of the timed steps' times (sample stdev / mean; "
     "0 for one step): how steady the steps were",
+    # What competed for the CPUs during the timed window (harness.meters.contention; Linux
+    # /proc/stat, the load average elsewhere too): why a throughput may be noise.
+    "timing_other_busy_cores": "cores the rest of the machine kept busy on average during the "
+    "timed window: (busy CPU-seconds of this process's cores, steal included - the trial "
+    "process's own) / wall seconds; other ranks of the trial count (the busiest rank's)",
+    "timing_steal_fraction": "share of those cores' CPU time during the timed window that the "
+    "hypervisor gave to other virtual machines (steal / total)",
+    "timing_free_cores": "cores this process may use minus timing_other_busy_cores: what was "
+    "left for the trial's torch_threads (the fewest of any rank)",
+    "timing_load_avg": "the 1-minute load average at the end of the timed window (the trial's "
+    "own threads included)",
     "accuracy": "held-out accuracy after the training budget",
     "eval_loss": "held-out cross-entropy after the training budget",
     "train_loss": "mean training loss over the last epoch's worth of steps "

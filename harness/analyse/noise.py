@@ -9,7 +9,8 @@ The rule reads a trial's recorded metrics (a results-table row or a ``TrialResul
 metrics): the spread of its timed steps (``step_time_cv``, ``step_time_ms_p90`` /
 ``step_time_ms_p50``) and, on CPU, what competed for the cores during the timed window
 (``timing_other_busy_cores``, ``timing_steal_fraction``, ``timing_free_cores`` against the
-trial's ``torch_threads``).
+trial's ``torch_threads``; the thread rule only where the row's ``device`` is a CPU or
+unknown). Measured by ``harness.meters.contention``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ def noise_reason(row: Mapping[str, Any]) -> str | None:
     steal = _number(row, "timing_steal_fraction")
     if steal is not None and steal > MAX_STEAL:
         reasons.append(f"{steal:.0%} CPU steal")
+    # The thread rule is for CPU trials: a GPU's throughput does not wait for torch's CPU
+    # threads (the figures are recorded there too). A row without a device is judged as CPU.
+    device = row.get("device")
+    on_cpu = not isinstance(device, str) or not device or device.startswith("cpu")
     free, threads = _number(row, "timing_free_cores"), _number(row, "torch_threads")
-    if free is not None and threads is not None and threads > free + 0.5:
+    if on_cpu and free is not None and threads is not None and threads > free + 0.5:
         reasons.append(f"{threads:.0f} threads on {max(free, 0):.1f} free cores")
     return "; ".join(reasons) or None

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from harness.meters.accuracy import evaluate
+from harness.meters.contention import ContentionMeter
 from harness.meters.host import peak_rss_bytes
 from harness.meters.memory import MemoryWindow
 from harness.meters.timing import StepTimer, synchronize
@@ -173,14 +174,27 @@ class TrainingLoop:
         timer = StepTimer(setup.device)
         # Back to back, the device synchronised only around the window (harness.meters.timing);
         # the losses are read after it, since reading one would synchronise between steps.
-        losses = timer.run(setup.train_step, staged)
+        # What else ran on the cores meanwhile is read around exactly those steps.
+        with ContentionMeter() as contention:
+            losses = timer.run(setup.train_step, staged)
         del staged
         speed = timer.metrics(setup.samples_per_step)
         self.measured.metrics.update(setup.ranks.combined_speed(speed))
+        self.record_contention(contention.metrics())
         if self.output_dir is not None and setup.ranks.is_writer:
             self.write_step_times(timer)
         for loss in losses:
             self.record_loss(loss)
+
+    def record_contention(self, figures: dict[str, float]) -> None:
+        """The busiest rank's view of the timed window (``harness.meters.contention``): the
+        most other work, steal and load, the fewest free cores (the other ranks of the trial
+        count as other work: they compete for the same cores)."""
+        readings = self.setup.ranks.gather(figures)
+        for name in sorted({name for reading in readings for name in reading}):
+            values = [reading[name] for reading in readings if name in reading]
+            worst = min if name == "timing_free_cores" else max
+            self.measured.metrics[name] = worst(values)
 
     def write_step_times(self, timer: StepTimer) -> None:
         """Rank 0's raw per-step times beside the result, for distributions the percentiles
