@@ -11,7 +11,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 FORMAT ?= table
 
-.PHONY: install browser sweep results test test-fast bench lint ui clean
+.PHONY: install browser sweep results test test-fast bench gpu-check lint ui clean
 
 install: $(STAMP)
 
@@ -47,13 +47,20 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
+# Trials through the trial layer on this machine's GPU (a reduced CPU set where there is none);
+# one JSON per trial and summary.json into results/gpu-check/, a table last.
+gpu-check: $(STAMP)
+	PYTHON=$(abspath $(BIN))/python bash scripts/gpu_check.sh results/gpu-check
+
 lint: $(STAMP)
-	$(BIN)/ruff check harness tests benchmarks
-	$(BIN)/ruff format --check harness tests benchmarks
+	$(BIN)/ruff check harness tests benchmarks scripts
+	$(BIN)/ruff format --check harness tests benchmarks scripts
 	$(BIN)/lint-imports
 
 ui: $(STAMP)
 	@mkdir -p results
+	@$(BIN)/python -c "from harness.record.tracking import ui_links; \
+	print(''.join(f'trials of {n}: {u}\n' for n, u in ui_links('sqlite:///results/mlflow.db')), end='')" || true
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///results/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:

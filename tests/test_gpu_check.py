@@ -1,0 +1,85 @@
+"""The GPU check (``scripts/gpu_check.sh``) in its reduced CPU mode, as CI runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def run_script(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def test_it_needs_an_out_dir():
+    done = run_script(timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("usage: bash scripts/gpu_check.sh OUT_DIR")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_cpu_reduced_check_passes_and_prints_its_table_last(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the full GPU check, not the reduced CPU one")
+    done = run_script(str(tmp_path / "out"))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["mode"] == "cpu-reduced"
+    assert summary["device"] == "cpu" and summary["torch_version"] == torch.__version__
+    trials = summary["trials"]
+    by_label = {t["label"]: t for t in trials}
+    assert len(by_label) == len(trials)  # labels are unique (one folder each)
+
+    # The OOM and the clean trial after it, in the same process.
+    first, second = trials[0], trials[1]
+    assert first["label"].startswith("oom-") and second["label"].startswith("after-oom/")
+    assert first["launch"] == second["launch"] == "pair"
+    assert first["status"] == "oom" and "exceeds device_memory" in first["reason"]
+    assert first["metrics"]["predicted_peak_bytes"] > 2**20  # above the 1 MiB card
+    assert second["status"] == "ok"
+
+    for trial in trials:
+        assert trial["as_expected"], trial
+        if trial["status"] == "skipped":  # only for a missing optional package
+            assert "not installed" in trial["reason"], trial
+            continue
+        assert trial["wall_s"] > 0
+        assert (tmp_path / "out" / trial["folder"] / "result.json").exists()
+        if trial["status"] == "ok":
+            metrics = trial["metrics"]
+            assert metrics["peak_allocated_bytes"] > 0 and metrics["throughput"] > 0
+            assert metrics["prediction_ratio"] == pytest.approx(1.0, abs=0.05), trial
+            assert trial["throughput_unit"] in ("tokens/s", "samples/s")
+    for label in ("gpt/fp32/none", "gpt/bf16/checkpoint", "cnn-cifar/fp32/none"):
+        assert by_label[label]["status"] == "ok"
+
+    # The table is the last thing printed: its header, a rule, one row per trial, the verdict.
+    lines = done.stdout.rstrip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("trial "))
+    assert "mode: cpu-reduced" in lines[header - 1]
+    assert set(lines[header + 1].replace(" ", "")) == {"-"}
+    rows = lines[header + 2 : -1]
+    assert [row.split()[0] for row in rows] == [t["label"] for t in trials]
+    assert all(row.split()[1] == t["status"] for row, t in zip(rows, trials, strict=True))
+    ran = sum(t["status"] != "skipped" for t in trials)
+    assert lines[-1] == f"mode: cpu-reduced: all {ran} trials ended as expected"
