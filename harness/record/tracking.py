@@ -8,15 +8,18 @@ batch, so a killed sweep never leaves half-recorded trials behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from harness.record.stores import initialise_mlflow_store, prepare_store, quiet_mlflow
+from harness.contract import DEFAULT_MLFLOW_URI
+from harness.record.stores import initialise_mlflow_store, prepare_store, quiet_mlflow, redact
 from harness.trial.config import TrialConfig
 from harness.trial.result import Status, TrialResult
+from harness.units import format_bytes, format_quantity
 
 ROLE_TAG = "harness_role"
 SWEEP_ROLE, TRIAL_ROLE = "sweep", "trial"
@@ -31,6 +34,121 @@ ENDED_RUN_STATUS = {
     Status.INFEASIBLE: "FINISHED",
     Status.DIVERGED: "FINISHED",
 }
+
+# ---- how MLflow's UI shows a sweep ----------------------------------------------------------
+# MLflow 3's UI opens an experiment on its GenAI pages (overview, traces: "Traces 0") unless it
+# knows the experiment trains models. MLflow 3.17 decides by the sidebar's workflow switch,
+# "GenAI" or "Machine learning": the URL's `workflowType` parameter, else the choice the browser
+# saved (localStorage `mlflow.workflowType`, "genai" until switched). A UI built without that
+# switch reads the experiment tag `mlflow.experimentKind` instead (3.17's bundle still has the
+# code, behind the switch's flag). So the experiment carries the tag and the sweep prints a URL
+# with the parameter (`runs_url`).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"  # the UI's "Machine learning" kind
+LOCAL_UI = "http://127.0.0.1:5000"  # where `make ui` serves
+# A saved view of the runs table, as the UI's "Share" button saves one: an experiment tag
+# `mlflow.sharedViewState.<key>` holding the table's filter and columns, opened by the URL's
+# `viewStateShareKey=<key>`. Ours lists the trials with their key metrics as columns, least
+# memory first: sorted by anything but the start time, the table lists child runs as rows of
+# their own instead of folding them under their parent run (the sweep, filtered out). Columns
+# the user picks afterwards are the browser's own (kept per experiment in localStorage).
+VIEW_KEY = "harness-trials"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+NOTE_TAG = "mlflow.note.content"  # a run's description: the table's "Description" column
+KEY_METRICS = ("peak_allocated_bytes", "throughput", "accuracy", "step_time_ms_p50")
+RUNS_VIEW = json.dumps(
+    {
+        "searchFilter": f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'",
+        "orderByKey": "metrics.`peak_allocated_bytes`",
+        "orderByAsc": True,
+        "selectedColumns": [
+            "attributes.`Description`",
+            "tags.`status`",
+            *(f"metrics.`{name}`" for name in KEY_METRICS),
+        ],
+    }
+)
+EXPERIMENT_TAGS = {EXPERIMENT_KIND_TAG: TRAINING_KIND, VIEW_TAG: RUNS_VIEW}
+
+
+def runs_url(experiment_id: str, ui: str = LOCAL_UI) -> str:
+    """The MLflow UI's page of an experiment's trials: its runs table (not the GenAI overview),
+    filtered to the trials, their key metrics as columns."""
+    query = f"workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?{query}"
+
+
+def ui_hint(tracking_uri: str, experiment: str) -> str:
+    """How to see an experiment's trials in the MLflow UI: what starts it and the URL to open
+    (the UI's front page when the experiment cannot be looked up)."""
+    remote = urlparse(tracking_uri).scheme in ("http", "https")
+    ui = redact(tracking_uri).rstrip("/") if remote else LOCAL_UI
+    try:
+        from mlflow.tracking import MlflowClient
+
+        quiet_mlflow()
+        found = MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name(experiment)
+        url = runs_url(found.experiment_id, ui) if found else ui
+    except Exception:  # a hint: never fail a finished sweep over it
+        url = ui
+    if remote:
+        return f"the MLflow UI at {url}"
+    if tracking_uri == DEFAULT_MLFLOW_URI:
+        return f"make ui, then open {url}"
+    return f"mlflow ui --backend-store-uri {tracking_uri}, then open {url}"
+
+
+def tag_experiment(client: Any, experiment_id: str, tags: dict[str, str]) -> None:
+    """Make the MLflow UI show the experiment as model training with its trials' table
+    (``EXPERIMENT_TAGS``); a kind the user chose in the UI stays theirs."""
+    from mlflow.exceptions import MlflowException
+
+    for key, value in EXPERIMENT_TAGS.items():
+        if key in tags and (key == EXPERIMENT_KIND_TAG or tags[key] == value):
+            continue
+        # Another worker may be writing the same tag this moment: theirs is as good.
+        with contextlib.suppress(MlflowException):
+            client.set_experiment_tag(experiment_id, key, value)
+
+
+def ui_links(tracking_uri: str, ui: str = LOCAL_UI) -> list[tuple[str, str]]:
+    """``(experiment, runs_url)`` for each experiment of the store that holds a sweep (`make
+    ui` prints them), tagging those recorded before the tags existed; none for a SQLite store
+    not created yet."""
+    from mlflow.tracking import MlflowClient
+
+    local = urlparse(tracking_uri).scheme == "sqlite"
+    if local and not Path(tracking_uri.removeprefix("sqlite:///")).exists():
+        return []
+    quiet_mlflow()
+    client = MlflowClient(tracking_uri=tracking_uri)
+    links = []
+    for experiment in client.search_experiments():
+        sweep = f"tags.{ROLE_TAG} = '{SWEEP_ROLE}'"
+        if not client.search_runs([experiment.experiment_id], sweep, max_results=1):
+            continue
+        tag_experiment(client, experiment.experiment_id, experiment.tags)
+        links.append((experiment.name, runs_url(experiment.experiment_id, ui)))
+    return links
+
+
+def trial_note(result: TrialResult) -> str:
+    """A trial's key numbers with their units, as the run's description (MLflow's table shows
+    metrics as bare numbers: 1234567.0 for a peak in bytes)."""
+    metrics = result.metrics
+    parts = [] if result.status == Status.OK else [result.status.value]  # its own column too
+    if "peak_allocated_bytes" in metrics:
+        parts.append(f"peak {format_bytes(metrics['peak_allocated_bytes'], short=True)}")
+    if "throughput" in metrics:
+        unit = result.info.get("throughput_unit", "samples/s")
+        parts.append(format_quantity(metrics["throughput"], str(unit)))
+    if "accuracy" in metrics:
+        parts.append(f"acc {format_quantity(metrics['accuracy'])}")
+    if "step_time_ms_p50" in metrics:
+        parts.append(f"step {format_quantity(metrics['step_time_ms_p50'], 'ms')}")
+    if result.failure_reason:
+        parts.append(f"({result.failure_reason})")
+    return " · ".join(parts)
 
 
 def git_commit() -> str | None:
@@ -123,6 +241,7 @@ class Tracker:
         if found.lifecycle_stage == "deleted":
             self.client.restore_experiment(found.experiment_id)
         self.experiment_id = found.experiment_id
+        tag_experiment(self.client, self.experiment_id, found.tags)
 
     def _create(self, experiment: str, artifact_root: Path) -> Any:
         from mlflow.exceptions import MlflowException
@@ -228,6 +347,7 @@ class Tracker:
             "status": result.status.value,
             "failure_reason": result.failure_reason,
             "attempts": str(result.attempts),  # > 1: crash/timeout retried
+            NOTE_TAG: trial_note(result),
         }
         if self.commit:
             tags["git_commit"] = self.commit
