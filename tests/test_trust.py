@@ -162,3 +162,17 @@ def test_no_password_in_records_or_command_lines(tmp_path, fresh_database):  # n
     text = (logged / "spec.yaml").read_text()
     assert PASSWORD not in text and "postgres:***@127.0.0.1" in text
     assert len(load("secret-store", uri)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp:1", "fsdp:1"])
+def test_one_rank_ddp_and_fsdp_run_under_torchrun_and_are_predicted(tmp_path, strategy):
+    from harness.sweep.launch import launch_trial
+
+    data = copy.deepcopy(BASE_SPEC)
+    data["grid"] = {**data["grid"], "strategy": [strategy]}
+    (config,) = trial_configs(parse_spec(data, "s.yaml"))
+    result = launch_trial(config, tmp_path / "trial", 300)
+    assert result.status.value == "ok", result.failure_reason
+    assert result.info["trial_start"] == "torchrun"
+    assert 0.9 <= result.metrics["prediction_ratio"] <= 1.1

@@ -369,6 +369,11 @@ def world_size(terms: list[str]) -> int:
     return 1
 
 
+def needs_process_group(terms: list[str]) -> bool:
+    """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``, ``N = 1`` included."""
+    return any(STRATEGIES[parse_term(term)[0]].group == "parallel" for term in terms)
+
+
 def build_strategies(terms: list[str]) -> list[Any]:
     """Instantiate the strategies of a trial (imports their modules, hence torch)."""
     from harness.workloads import resolve

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.strategies import needs_process_group
 from harness.trial.config import (
     SNAPSHOT_FILE,
     STEP_TIMES_FILE,
@@ -214,11 +215,12 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> TrialR
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "harness.trial", str(config_path), str(result_path)]
     ranks = config.world_size
-    if ranks > 1:  # torchrun starts the ranks; if one dies it stops the others
+    grouped = needs_process_group(config.strategy)  # ddp:1 and fsdp:1 too
+    if grouped:  # torchrun starts the ranks; if one dies it stops the others
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     started = time.monotonic()
     returncode: int | None = None
-    warm = ranks == 1 and warm_start_enabled()
+    warm = not grouped and warm_start_enabled()
     if warm:
         request = {
             "config": str(config_path.resolve()),
@@ -236,7 +238,7 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> TrialR
     if not warm:
         returncode = _run_fresh(command, env, log_path, timeout_s)
     wall = time.monotonic() - started
-    start = "warm" if warm else "fresh" if ranks == 1 else "torchrun"
+    start = "warm" if warm else "torchrun" if grouped else "fresh"
     key = config.trial_key
     if returncode is None:
         reason = f"no result after the {timeout_s:g}s trial_timeout; killed"

@@ -2,7 +2,9 @@
 
 Runs one trial in this process and writes its result JSON. An exception becomes a ``crash``
 result (the traceback goes to stderr, which the launcher keeps as the trial's log); a process
-killed by a signal writes nothing, and the launcher records that as ``crash`` too.
+killed by a signal writes nothing, and the launcher records that as ``crash`` too. A multi-rank
+trial that failed (``GroupFailure``) is written by the rank that failed first, which then exits
+with an error so torchrun stops any rank still waiting in a collective; the others exit quietly.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from harness.trial.config import TrialConfig
-from harness.trial.distributed import Ranks
+from harness.trial.distributed import GroupFailure, Ranks
 from harness.trial.result import Status, TrialResult
 
 
@@ -42,6 +45,29 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+def end_failed_rank(failure: GroupFailure, result_path: Path) -> NoReturn:
+    """End this rank of a failed multi-rank trial: write the result if it failed first.
+
+    ``os._exit``, not a return: leaving the group or shutting the interpreter down normally
+    may wait on a collective that a stuck peer never finishes. The writer exits with an error
+    when some rank did not report (torchrun stops the others only when a rank fails), and
+    only after writing, so that it is not stopped first; the others exit 0 for the same reason.
+    """
+    verdict, result, ranks = failure.verdict, failure.result, Ranks.from_env()
+    line = f"trial {result.trial_key}: {verdict.status} {verdict.reason}"
+    if verdict.writes:
+        write_result(result_path, result)
+        ranks.announce_written()
+    else:  # this rank's own ending was a consequence of the first failure, or came after it
+        mine = verdict.mine
+        waited = "" if ranks.await_written() else " (its result never came)"
+        line = f"rank {mine.rank} ({mine.status} {mine.reason}) deferred to: {line}{waited}"
+    print(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if verdict.writes and not verdict.everyone else 0)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m harness.trial CONFIG.json RESULT.json", file=sys.stderr)
@@ -53,6 +79,8 @@ def main(argv: list[str]) -> int:
         from harness.trial.run import run_trial
 
         result = run_trial(config, result_path.parent)
+    except GroupFailure as failure:
+        end_failed_rank(failure, result_path)
     except Exception as error:  # any bug or bad user code: recorded, never fatal to the sweep
         traceback.print_exc()
         reason = f"{type(error).__name__}: {error}".strip().splitlines()[0]

@@ -3,17 +3,91 @@
 Each rank trains on its 1/N slice of every global batch and measures its own memory and speed;
 the figures are then combined so the trial reports one result: peak memory is the worst rank's
 (with that rank's breakdown), throughput is the sum over ranks, step times the slowest rank's.
-Rank 0 writes the result. With one process every helper here is the identity.
+Rank 0 writes the result, unless a rank failed once the group had started (below). With one
+process every helper here is the identity.
+
+A rank that fails alone (an OOM on one GPU, a user model's error) leaves the others waiting in
+their next collective, forever on NCCL. So the ranks agree on a failure through the group's
+store instead (``agree_on_failure``): the failing rank publishes it; the first to publish writes
+the trial's result, naming itself unless every rank failed alike (a loss NaN everywhere), and
+exits with an error so torchrun stops the ranks still waiting; a rank that fails later (gloo's
+"connection closed" once its peer is gone) defers to it, waits until the result is written, and
+writes nothing. No collective runs after a failure, so none can hang; the group's timeout
+(``GROUP_TIMEOUT``) bounds a wait on a rank that hangs without failing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from harness.trial.result import Status, TrialResult
+
+# How long a collective (or the store) may wait for a peer: long enough for any rank's set-up
+# to lag its peers', short of gloo's 30 minutes: a rank that hangs silently becomes a crash.
+GROUP_TIMEOUT = timedelta(minutes=5)
+# How long the first failing rank waits for the others' reports: ranks that fail together (a
+# loss that is NaN everywhere) report within milliseconds, ranks stuck in a collective never.
+AGREE_S = 2.0
+# How long a rank that deferred waits for the result to be written before it exits anyway.
+WRITTEN_WAIT_S = AGREE_S + 30.0
+POLL_S = 0.05
+FAILURE_KEY = "failure"  # the first failing rank's number; "failure/<rank>" its report
+WRITTEN_KEY = "failure/written"  # set once the first failing rank has written the result
+
+_store: dist.Store | None = None  # the group's store, once this process joined the group
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank's part of a trial ended, as the other ranks read it from the store."""
+
+    rank: int
+    status: Status
+    reason: str
+    peak_rss_bytes: float
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "status": self.status.value})
+
+    @classmethod
+    def from_json(cls, text: bytes) -> RankFailure:
+        data = json.loads(text)
+        return cls(data["rank"], Status(data["status"]), data["reason"], data["peak_rss_bytes"])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the ranks agreed a failed trial's status and reason are, and this rank's part."""
+
+    status: Status
+    reason: str
+    peak_rss_bytes: float  # the worst of the ranks that reported
+    writes: bool  # this rank failed first: it writes the result
+    everyone: bool  # every rank reported: none is left waiting in a collective
+    mine: RankFailure  # how this rank's own part ended (for its log, where it deferred)
+
+
+class GroupFailure(Exception):
+    """A multi-rank trial failed: its agreed result and this rank's part in ending it.
+
+    Raised to the worker's entry point rather than returned: the process must end at once,
+    without leaving the group or the interpreter's shutdown (either may wait on a collective a
+    peer never joins).
+    """
+
+    def __init__(self, result: TrialResult, verdict: Verdict) -> None:
+        super().__init__(result.failure_reason)
+        self.result = result
+        self.verdict = verdict
 
 
 @dataclass(frozen=True)
@@ -21,6 +95,9 @@ class Ranks:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    # Started by torchrun: a process group even of one rank (``ddp:1``/``fsdp:1`` measure
+    # the wrapper's own cost, and their strategies need the group).
+    launched: bool = False
 
     @classmethod
     def from_env(cls) -> Ranks:
@@ -29,11 +106,12 @@ class Ranks:
             int(os.environ.get("RANK", 0)),
             int(os.environ.get("WORLD_SIZE", 1)),
             int(os.environ.get("LOCAL_RANK", 0)),
+            "WORLD_SIZE" in os.environ,
         )
 
     @property
     def distributed(self) -> bool:
-        return self.size > 1
+        return self.size > 1 or self.launched
 
     @property
     def is_writer(self) -> bool:
@@ -57,12 +135,83 @@ class Ranks:
             return device
         device = self.local_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            join_group("nccl" if device.type == "cuda" else "gloo")
         return device
 
     def stop(self) -> None:
-        if self.distributed and dist.is_initialized():
+        global _store
+        if not self.distributed:  # e.g. ``Ranks()``, a failed rank's result built alone
+            return
+        if dist.is_initialized():
             dist.destroy_process_group()
+        _store = None
+
+    @property
+    def in_group(self) -> bool:
+        """This rank has joined the group: a failure from here on must be agreed on."""
+        return self.distributed and _store is not None
+
+    def agree_on_failure(self, status: Status, reason: str, peak_rss_bytes: float) -> Verdict:
+        """Publish this rank's failure and learn the trial's: the first rank to fail names it.
+
+        Uses the store only, never a collective: the peers may be inside one. The first rank
+        to fail waits up to ``AGREE_S`` for the others' reports; if all failed alike (every
+        rank raised after the same collective) the reason is theirs, else it names the rank.
+        """
+        assert _store is not None, "agree_on_failure before the group started"
+        mine = RankFailure(self.rank, status, reason, peak_rss_bytes)
+        try:
+            _store.set(f"{FAILURE_KEY}/{self.rank}", mine.to_json())
+            first = int(_store.compare_set(FAILURE_KEY, "", str(self.rank)))
+        except RuntimeError:  # the store is gone with torchrun (killed): rank 0 writes, as ever
+            labelled = f"rank {self.rank}: {reason}"
+            return Verdict(status, labelled, peak_rss_bytes, self.is_writer, False, mine)
+        if first != self.rank:
+            peer = RankFailure.from_json(_store.get(f"{FAILURE_KEY}/{first}"))
+            reason = f"rank {first}: {peer.reason}"
+            return Verdict(peer.status, reason, 0.0, writes=False, everyone=False, mine=mine)
+        reports = self.failure_reports(AGREE_S)
+        alike = len(reports) == self.size and len({(r.status, r.reason) for r in reports}) == 1
+        return Verdict(
+            status,
+            reason if alike else f"rank {self.rank}: {reason}",
+            max(r.peak_rss_bytes for r in reports),
+            writes=True,
+            everyone=len(reports) == self.size,
+            mine=mine,
+        )
+
+    def failure_reports(self, wait_s: float) -> list[RankFailure]:
+        """The failures published so far, after waiting up to ``wait_s`` for every rank's."""
+        assert _store is not None
+        keys = [f"{FAILURE_KEY}/{rank}" for rank in range(self.size)]
+        deadline = time.monotonic() + wait_s
+        while not _store.check(keys) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return [RankFailure.from_json(_store.get(key)) for key in keys if _store.check([key])]
+
+    def announce_written(self) -> None:
+        """Tell the ranks that deferred to this one's failure that its result is written."""
+        assert _store is not None
+        with contextlib.suppress(RuntimeError):  # a store gone with its host: no one waits
+            _store.set(WRITTEN_KEY, "1")
+
+    def await_written(self) -> bool:
+        """Wait (up to ``WRITTEN_WAIT_S``) for the first failing rank's result to be written.
+
+        A deferring rank must not exit while the writer still needs the store: where torchrun
+        does not share its own store, rank 0 hosts it. False when the result never came.
+        """
+        assert _store is not None
+        deadline = time.monotonic() + WRITTEN_WAIT_S
+        try:
+            while not _store.check([WRITTEN_KEY]):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(POLL_S)
+        except RuntimeError:  # the store itself is gone: so is the writer's torchrun
+            return False
+        return True
 
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a global batch."""
@@ -90,7 +239,9 @@ class Ranks:
         return max(readings, key=lambda m: m["peak_allocated_bytes"])
 
     def combined_speed(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Throughput adds up over ranks; a step is as slow as the slowest rank."""
+        """Throughput adds up over ranks; every other figure is the worst rank's: a step is as
+        slow as the slowest rank (``step_time_ms_*``), and the trial as unsteady as its least
+        steady rank (``step_time_cv``)."""
         readings = self.gather(metrics)
         combined = {k: max(m[k] for m in readings) for k in metrics}
         combined["throughput"] = sum(m["throughput"] for m in readings)
@@ -98,3 +249,22 @@ class Ranks:
 
     def maximum(self, value: float) -> float:
         return max(self.gather(value))
+
+
+def join_group(backend: str) -> None:
+    """Join torchrun's process group, keeping its store for the failure agreement.
+
+    The rendezvous is the one ``init_process_group`` would do itself (``env://``: torchrun's
+    store), done here so the store is ours to use; the group's timeout bounds every collective.
+    """
+    global _store
+    store, rank, size = next(dist.rendezvous("env://", timeout=GROUP_TIMEOUT))
+    store.set_timeout(GROUP_TIMEOUT)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=size,
+        timeout=GROUP_TIMEOUT,
+    )
+    _store = dist.PrefixStore("harness", store)

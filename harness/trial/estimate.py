@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from harness.contract import OPTIMIZER_STATE_BYTES
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.memory import MemoryWindow
-from harness.strategies import STRATEGIES, parse_term
+from harness.strategies import STRATEGIES, needs_process_group, parse_term
 from harness.strategies.base import StrategyError
 from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
 from harness.trial.config import TrialConfig
@@ -55,7 +55,7 @@ def estimate_peak(
     names = {parse_term(term)[0] for term in config.strategy}
     for name in sorted(names & UNPREDICTABLE.keys()):
         return {"unpredictable": f"{name}: {UNPREDICTABLE[name]}"}
-    ranks = Ranks(rank=0, size=config.world_size)
+    ranks = Ranks(rank=0, size=config.world_size, launched=needs_process_group(config.strategy))
     try:
         # Real tensors: user data is loaded (and a tokenizer read) to learn the batch's shape.
         info = describe_dataset(

@@ -11,7 +11,10 @@ this module is the one place that runs them in order, so neither imports the oth
 
 Every way it can end becomes one ``TrialResult``: ``ok``; ``oom``, ``diverged`` or
 ``infeasible`` with what was measured so far. Any other exception propagates: the worker entry
-point records it as ``crash``.
+point records it as ``crash``. Once a multi-rank trial's ranks have joined their group, any
+failure (a crash too) is agreed on with the other ranks instead and raised as a
+``GroupFailure`` carrying the trial's result (``harness.trial.distributed``): the rank that
+failed may be the only one not waiting in a collective.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ from __future__ import annotations
 import gc
 import os
 import random
+import traceback
 from pathlib import Path
 
 import torch
 
+from harness.meters.host import peak_rss_bytes
 from harness.strategies import build_strategies
 from harness.trial.config import TrialConfig
 from harness.trial.device import device_name, emulate_card, resolve_device
-from harness.trial.distributed import Ranks
+from harness.trial.distributed import GroupFailure, Ranks
 from harness.trial.estimate import estimate_peak, host_guard
 from harness.trial.loop import Measurements, TrainingLoop
 from harness.trial.result import Status, TrialFailure, TrialResult
@@ -42,15 +47,13 @@ def run_trial(config: TrialConfig, output_dir: Path | None = None) -> TrialResul
     status, reason = Status.OK, ""
     try:
         train(config, ranks, measured, output_dir)
-    except TrialFailure as failure:
-        status, reason = failure.status, failure.reason
-    except torch.OutOfMemoryError as error:
-        status, reason = Status.OOM, first_line(error) or "out of memory"
-    except RuntimeError as error:
-        # The CPU allocator's refusal is an allocation failure like CUDA's, not a crash.
-        if "can't allocate memory" not in str(error):
+    except Exception as error:
+        ending = how_it_ended(error)
+        if ranks.in_group:
+            raise group_failure(config, ranks, measured, error, ending) from error
+        if ending is None:
             raise
-        status, reason = Status.OOM, first_line(error)[:300]
+        status, reason = ending
     if status is Status.OOM:
         # The failed step's frames (and the model and optimizer they held) went with the
         # exception; hand their memory back before the result is gathered.
@@ -58,6 +61,42 @@ def run_trial(config: TrialConfig, output_dir: Path | None = None) -> TrialResul
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return measured.result(config.trial_key, status, reason, ranks)
+
+
+def how_it_ended(error: Exception) -> tuple[Status, str] | None:
+    """The status and reason an exception ends a trial with; None for a crash (a bug)."""
+    if isinstance(error, TrialFailure):
+        return error.status, error.reason
+    if isinstance(error, torch.OutOfMemoryError):
+        return Status.OOM, first_line(error) or "out of memory"
+    # The CPU allocator's refusal is an allocation failure like CUDA's, not a crash.
+    if isinstance(error, RuntimeError) and "can't allocate memory" in str(error):
+        return Status.OOM, first_line(error)[:300]
+    return None
+
+
+def group_failure(
+    config: TrialConfig,
+    ranks: Ranks,
+    measured: Measurements,
+    error: Exception,
+    ending: tuple[Status, str] | None,
+) -> GroupFailure:
+    """The failure of a multi-rank trial as the ranks agree on it, with what was measured;
+    ``ending`` is how ``error`` ends a trial, None for a crash (recorded as the worker does).
+
+    Every rank holds the same combined measurements (they are gathered to all), so whichever
+    rank failed first can report them; only host memory is each rank's own, and the worst of
+    those that reported is kept. The result is built as for a process of its own (``Ranks()``):
+    no collective, no leaving the group, either of which would wait for a stuck peer.
+    """
+    status, reason = ending or (Status.CRASH, first_line(f"{type(error).__name__}: {error}"))
+    verdict = ranks.agree_on_failure(status, reason, float(peak_rss_bytes()))
+    if ending is None and verdict.writes:  # the trial's crash: its traceback goes to the log
+        traceback.print_exception(error)
+    result = measured.result(config.trial_key, verdict.status, verdict.reason, Ranks())
+    result.metrics["peak_rss_bytes"] = verdict.peak_rss_bytes
+    return GroupFailure(result, verdict)
 
 
 def train(
