@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import re
+
+import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -80,3 +84,61 @@ def test_report_is_one_self_contained_page(sweep_folder):
     # plotly.js is embedded, not fetched: the page opens offline.
     assert '<script src="http' not in page and len(page) > 1_000_000
     assert artifacts(sweep_folder, "report") == {"report/report.html"}
+
+
+def test_results_table_fits_160_columns_with_units(sweep_folder):
+    done = run_cli("results", cwd=sweep_folder)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(map(len, lines)) <= 160, done.stdout
+    assert lines[0].split()[:6] == ["size", "batch", "dtype", "strategy", "status", "trial"]
+    assert "KiB" in done.stdout and "samples/s" in done.stdout
+    assert not re.search(r"(?<![\w.])\d{4,}(\.\d+)?(?![\w.])", done.stdout)  # no 255300.0
+    assert "infeasible [1]" in done.stdout  # batch 256 > 64 KiB: why, in a note under the table
+    assert any(line.startswith("[1] predicted peak") for line in lines)
+
+
+def test_results_columns_wide_and_a_misspelt_column(sweep_folder):
+    picked = run_cli(
+        "results", "--columns", "strategy,peak_rss_bytes,step_time_ms_p50", cwd=sweep_folder
+    )
+    assert picked.returncode == 0, picked.stderr
+    lines = picked.stdout.splitlines()
+    assert lines[0].split() == ["strategy", "peak_rss_bytes", "step_time_ms_p50"]
+    assert "MiB" in picked.stdout and " ms" in picked.stdout
+    wide = run_cli("results", "--wide", cwd=sweep_folder)
+    assert wide.returncode == 0, wide.stderr
+    header = wide.stdout.splitlines()[0].split()
+    assert {"trial_key", "peak_rss_bytes", "step_time_cv", "run_id", "failure_reason"} <= set(
+        header
+    )
+    assert "peak_reserved_bytes" not in header  # CUDA only: empty on CPU
+    bad = run_cli("results", "--columns", "strategy,thruput", cwd=sweep_folder)
+    assert bad.returncode == 2
+    (line,) = bad.stderr.strip().splitlines()
+    assert line.startswith("Error: --columns: no results column 'thruput'; did you mean throughput")
+
+
+def test_results_csv_keeps_every_column_and_raw_numbers(sweep_folder):
+    done = run_cli("results", "--format", "csv", cwd=sweep_folder)
+    assert done.returncode == 0, done.stderr
+    exported = pd.read_csv(io.StringIO(done.stdout))
+    frame = load_sweep("analysed", f"sqlite:///{sweep_folder}/results/mlflow.db").frame
+    assert list(exported.columns) == list(frame.columns)
+    assert exported["peak_allocated_bytes"].tolist() == pytest.approx(
+        frame["peak_allocated_bytes"].tolist(), nan_ok=True
+    )
+    assert exported["trial_key"].tolist() == frame["trial_key"].tolist()  # full keys
+
+
+def test_timeline_takes_a_key_prefix_or_a_run_name(sweep_folder):
+    frame = load_sweep("analysed", f"sqlite:///{sweep_folder}/results/mlflow.db").frame
+    row = frame[(frame["status"] == "ok") & (frame["strategy"] == "checkpoint")].iloc[0]
+    by_prefix = run_cli("timeline", row["trial_key"][:6], cwd=sweep_folder)
+    assert by_prefix.returncode == 0, by_prefix.stderr
+    assert row["trial_key"][:8] in by_prefix.stdout and "wrote" in by_prefix.stdout
+    by_name = run_cli("timeline", "s bs=8 fp32 checkpoint", cwd=sweep_folder)
+    assert by_name.returncode == 0, by_name.stderr
+    assert f"{row['trial_key']}.png" in by_name.stdout
+    short = run_cli("timeline", row["trial_key"][:2], cwd=sweep_folder)
+    assert short.returncode == 1 and "a key prefix needs 4+ characters" in short.stderr

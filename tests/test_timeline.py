@@ -7,6 +7,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import threading
 
@@ -141,3 +142,93 @@ def test_the_report_renders_in_headless_chromium(swept, tmp_path):
     finally:
         browser.quit()
         server.shutdown()
+
+
+# --- the pictures' look (issue 18): shared palette, peak markers, units; the report's answer --
+
+
+def test_timeline_png_and_html_share_colours_units_and_the_peak(swept, tmp_path):
+    from matplotlib.colors import to_hex
+
+    from harness.analyse import style, timelines
+
+    _, uri, frame = swept
+    row = frame[frame["strategy"] == "checkpoint"].iloc[0]
+    data = artifact_json(uri, row["run_id"], tmp_path)
+    figure = timelines.timeline_matplotlib([("checkpoint", data)], "timeline")
+    try:
+        figure.canvas.draw()
+        axis = figure.axes[0]
+        areas = {
+            c.get_label(): to_hex(c.get_facecolor()[0])
+            for c in axis.collections
+            if c.get_label() in style.BREAKDOWN_LABELS.values()
+        }
+        bands = {to_hex(p.get_facecolor()) for p in axis.patches}
+        ticks = [t.get_text() for t in axis.get_yticklabels() if t.get_text()]
+        peak_lines = [line for line in axis.lines if line.get_label().startswith("peak ")]
+        legend_box = axis.get_legend().get_window_extent()
+        assert legend_box.x0 >= axis.get_window_extent().x1  # the legend is outside the data
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+    page = timelines.timeline_figure("checkpoint", data)
+    expected = {style.BREAKDOWN_LABELS[c]: h.lower() for c, h in style.BREAKDOWN_COLOURS.items()}
+    assert areas == {t.name: t.fillcolor.lower() for t in page.data} == expected
+    html_bands = {s.fillcolor.lower() for s in page.layout.shapes if s.fillcolor}
+    assert bands == html_bands and style.PHASE_COLOURS["recompute"].lower() in bands
+    assert all(re.match(r"^(0|\d+(\.\d+)? (B|KiB|MiB|GiB))$", t) for t in ticks), ticks
+    assert all(
+        re.match(r"^(0|\d+(\.\d+)? (B|KiB|MiB|GiB))$", t) for t in page.layout.yaxis.ticktext
+    )
+    peak_op = data["samples"]["op"][data["peak_index"]]
+    assert len(peak_lines) == 1 and list(peak_lines[0].get_xdata()) == [peak_op, peak_op]
+    assert any(s.x0 == s.x1 == peak_op and s.line.color == style.PEAK for s in page.layout.shapes)
+
+
+def test_the_report_in_chromium_opens_with_the_recommendation_in_units(swept, tmp_path):
+    """The page as a reader sees it: the answer first, sizes and rates with units, every trial
+    a link to its MLflow run."""
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        if os.environ.get("CI"):
+            pytest.fail("CI must have chromium + chromedriver (make browser installs them)")
+        pytest.skip("chromium / chromedriver not installed (make browser installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    folder, uri, frame = swept
+    page = tmp_path / "answer" / "report.html"
+    done = run_cli("report", "--tracking-uri", uri, "--out", str(page), cwd=folder)
+    assert done.returncode == 0, done.stderr
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                     "--window-size=1400,2400"):  # fmt: skip
+        options.add_argument(argument)
+    browser = webdriver.Chrome(options=options, service=Service(driver_path))
+    try:
+        browser.get(page.as_uri())
+        text = browser.find_element(By.TAG_NAME, "body").text
+        headings = [h.text for h in browser.find_elements(By.TAG_NAME, "h2")]
+        answer = browser.find_element(By.ID, "recommendation")
+        assert headings[0] == "Recommendation" and answer.is_displayed()
+        assert answer.location["y"] < 400  # at the top of the page, above every table
+        assert (
+            "run model_size t" in answer.text
+            and "the fastest configuration measured" in answer.text
+        )
+        assert all(role in answer.text for role in ("fastest", "most accurate", "least memory"))
+        unit = frame["throughput_unit"].dropna().iloc[0]
+        assert re.search(r"\d (KiB|MiB|GiB)", answer.text) and f" {unit}" in answer.text
+        assert re.search(rf"\d+(\.\d+)?k? {re.escape(unit)}", text)
+        assert not re.search(r"\b\d{5,}\.\d+\b", text)  # no bare float byte counts
+        links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "a.run")]
+        for run_id in frame["run_id"]:
+            assert any(h.startswith("http://127.0.0.1:5000/#/experiments/") and h.endswith(
+                f"/runs/{run_id}") for h in links), run_id  # fmt: skip
+        assert browser.save_screenshot(str(tmp_path / "answer.png"))
+    finally:
+        browser.quit()

@@ -1,6 +1,7 @@
 """Pictures of a trial's memory timeline (``harness.meters.timeline``'s JSON): stacked bytes by
-category over the memory window's ops, with phases as bands; PNG (matplotlib) and HTML (plotly)
-in the breakdown's colours."""
+category over the memory window's ops, with phases as bands and the peak marked; PNG
+(matplotlib) and HTML (plotly) in the same colours (``harness.analyse.style``), ticks in binary
+units, legends outside the data."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ from harness.analyse.style import (
     BREAKDOWN_LABELS,
     PEAK,
     PHASE_COLOURS,
+    PHASE_LABELS,
+    byte_label,
     group_colour,
+    linear_byte_ticks,
 )
 from harness.units import format_bytes
+
+Y_TITLE = "memory held by tensors"
 
 
 def timeline_frame(data: dict[str, Any]) -> pd.DataFrame:
@@ -39,92 +45,157 @@ def phase_runs(frame: pd.DataFrame) -> list[tuple[str, float, float]]:
     return runs
 
 
+def peak_of(frame: pd.DataFrame, data: dict[str, Any]) -> tuple[float, float] | None:
+    """``(op, total bytes)`` of the window's peak sample, or None when it has none."""
+    peak = data.get("peak_index")
+    if peak is None or frame.empty:
+        return None
+    return float(frame["op"][peak]), float(frame["total"][peak])
+
+
+def byte_axis_top(highest: float) -> float:
+    return highest * 1.08 if highest > 0 else 2.0**20
+
+
 def timeline_png(timelines: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> Path:
     """One timeline: stacked areas by category over the window's ops, phases as bands, the
     peak marked. Several: each one's total (solid) and activations (dashed), overlaid."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    figure = timeline_matplotlib(timelines, title)
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(11, 4.2))
-    if len(timelines) == 1:
-        label, data = timelines[0]
-        frame = timeline_frame(data)
-        for phase, start, end in phase_runs(frame):
-            axis.axvspan(start, end, color=PHASE_COLOURS[phase], lw=0)
-        stacks = [frame[c] / 2**20 for c in data["categories"]]
-        axis.stackplot(
-            frame["op"],
-            stacks,
-            labels=[BREAKDOWN_LABELS[c] for c in data["categories"]],
-            colors=[BREAKDOWN_COLOURS[c] for c in data["categories"]],
-            step="post",
-            alpha=0.85,
-        )
-        if "reserved" in frame:
-            axis.step(frame["op"], frame["reserved"] / 2**20, where="post", color="k", lw=1,
-                      label="reserved (CUDA)")  # fmt: skip
-        peak = data["peak_index"]
-        if peak is not None:
-            x, y = frame["op"][peak], frame["total"][peak] / 2**20
-            axis.axvline(x, color=PEAK, lw=1, ls="--")
-            axis.annotate(f"peak {format_bytes(frame['total'][peak])}", (x, y),
-                          textcoords="offset points", xytext=(4, 4), color=PEAK,
-                          fontsize=8)  # fmt: skip
-        handles, labels = axis.get_legend_handles_labels()
-        handles += [matplotlib.patches.Patch(color=c) for c in PHASE_COLOURS.values()]
-        labels += list(PHASE_COLOURS)
-        axis.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    else:
-        for index, (label, data) in enumerate(timelines):
-            colour = group_colour(index)
-            frame = timeline_frame(data)
-            axis.step(frame["op"], frame["total"] / 2**20, where="post", color=colour,
-                      label=f"{label}: total")  # fmt: skip
-            axis.step(frame["op"], frame["activation"] / 2**20, where="post", color=colour,
-                      ls="--", label=f"{label}: activations")  # fmt: skip
-        axis.legend(fontsize=8, loc="upper left")
-    axis.set_xlabel("op in the memory window")
-    axis.set_ylabel("MiB held by tensors")
-    axis.set_title(title)
-    axis.margins(x=0)
-    # Fixed margins rather than tight_layout: a sweep draws one per trial, and the layout pass
-    # costs as much as the drawing.
-    figure.subplots_adjust(left=0.06, right=0.84 if len(timelines) == 1 else 0.98, bottom=0.12)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
 
 
+def timeline_matplotlib(timelines: list[tuple[str, dict[str, Any]]], title: str) -> Any:
+    """The matplotlib figure of ``timeline_png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    figure, axis = plt.subplots(figsize=(11, 4.2))
+    highest = 0.0
+    if len(timelines) == 1:
+        label, data = timelines[0]
+        frame = timeline_frame(data)
+        seen: list[str] = []
+        for phase, start, end in phase_runs(frame):
+            axis.axvspan(start, end, color=PHASE_COLOURS[phase], lw=0)
+            seen += [phase] if phase not in seen else []
+        stacks = [frame[c] for c in data["categories"]]
+        axis.stackplot(
+            frame["op"],
+            stacks,
+            labels=[BREAKDOWN_LABELS[c] for c in data["categories"]],
+            colors=[BREAKDOWN_COLOURS[c] for c in data["categories"]],
+            step="post",
+        )
+        highest = float(frame["total"].max()) if len(frame) else 0.0
+        if "reserved" in frame:
+            axis.step(frame["op"], frame["reserved"], where="post", color="k", lw=1,
+                      label="reserved (CUDA)")  # fmt: skip
+            highest = max(highest, float(frame["reserved"].max()))
+        peak = peak_of(frame, data)
+        if peak is not None:
+            x, y = peak
+            axis.axvline(x, color=PEAK, lw=1, ls="--", label=f"peak {format_bytes(y)}")
+            axis.plot([x], [y], marker="v", color=PEAK, markersize=7, ls="none")
+        handles, labels = axis.get_legend_handles_labels()
+        handles += [Patch(color=PHASE_COLOURS[p]) for p in seen]
+        labels += [f"phase: {PHASE_LABELS[p]}" for p in seen]
+        axis.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1),
+                    frameon=False)  # fmt: skip
+    else:
+        for index, (label, data) in enumerate(timelines):
+            colour = group_colour(index)
+            frame = timeline_frame(data)
+            axis.step(frame["op"], frame["total"], where="post", color=colour,
+                      label=f"{label}: total")  # fmt: skip
+            axis.step(frame["op"], frame["activation"], where="post", color=colour,
+                      ls="--", label=f"{label}: activations")  # fmt: skip
+            peak = peak_of(frame, data)
+            if peak is not None:
+                axis.plot([peak[0]], [peak[1]], marker="v", color=colour, markersize=7,
+                          ls="none", label=f"{label}: peak {format_bytes(peak[1])}")  # fmt: skip
+            highest = max(highest, float(frame["total"].max()) if len(frame) else 0.0)
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    top = byte_axis_top(highest)
+    axis.set_ylim(0, top)
+    axis.yaxis.set_major_locator(FixedLocator(linear_byte_ticks(0, top)))
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda v, _: byte_label(v)))
+    axis.set_xlabel("op in the memory window")
+    axis.set_ylabel(Y_TITLE)
+    axis.set_title(title, fontsize=10)
+    axis.margins(x=0)
+    # Fixed margins rather than tight_layout: a sweep draws one per trial, and the layout pass
+    # costs as much as the drawing. The legend sits right of the axes.
+    right = 0.80 if len(timelines) == 1 else 0.66
+    figure.subplots_adjust(left=0.08, right=right, bottom=0.12)
+    return figure
+
+
 def timeline_figure(label: str, data: dict[str, Any]) -> Any:
-    """The interactive version of one timeline, for the HTML report."""
+    """The interactive version of one timeline, for the HTML report: the same colours, phase
+    bands (in the legend too) and peak marker as the PNG."""
     import plotly.graph_objects as go
 
     frame = timeline_frame(data)
     figure = go.Figure()
+    seen: set[str] = set()
     for phase, start, end in phase_runs(frame):
-        figure.add_vrect(x0=start, x1=end, fillcolor=PHASE_COLOURS[phase], line_width=0,
-                         layer="below")  # fmt: skip
+        figure.add_vrect(
+            x0=start, x1=end, fillcolor=PHASE_COLOURS[phase], opacity=1, line_width=0,
+            layer="below", name=f"phase: {PHASE_LABELS[phase]}", legendgroup=f"phase {phase}",
+            showlegend=phase not in seen,
+        )  # fmt: skip
+        seen.add(phase)
     for category in data["categories"]:
+        colour = BREAKDOWN_COLOURS[category]
         figure.add_trace(
             go.Scatter(
                 x=frame["op"],
-                y=frame[category] / 2**20,
+                y=frame[category],
                 name=BREAKDOWN_LABELS[category],
                 stackgroup="memory",
-                line={"color": BREAKDOWN_COLOURS[category]},
+                line={"color": colour, "width": 0.5},
+                fillcolor=colour,
                 line_shape="hv",
-                customdata=frame["phase"],
-                hovertemplate="op %{x} (%{customdata})<br>%{y:.3f} MiB<extra></extra>",
+                customdata=list(
+                    zip(frame["phase"], map(format_bytes, frame[category]), strict=True)
+                ),
+                hovertemplate="op %{x} (%{customdata[0]})<br>"
+                + BREAKDOWN_LABELS[category]
+                + ": %{customdata[1]}<extra></extra>",
             )
         )
+    peak = peak_of(frame, data)
+    highest = float(frame["total"].max()) if len(frame) else 0.0
+    if peak is not None:
+        x, y = peak
+        figure.add_vline(
+            x=x, line_dash="dash", line_color=PEAK, line_width=1,
+            name=f"peak {format_bytes(y)}", showlegend=True,
+            annotation_text=f"peak {format_bytes(y)}", annotation_font_color=PEAK,
+            annotation_position="top right",
+        )  # fmt: skip
+    top = byte_axis_top(highest)
+    ticks = linear_byte_ticks(0, top)
     figure.update_layout(
         title=f"Memory timeline: {label}",
         xaxis_title="op in the memory window",
-        yaxis_title="MiB held by tensors",
-        height=340,
+        yaxis={
+            "title": Y_TITLE,
+            "range": [0, top],
+            "tickvals": ticks,
+            "ticktext": [byte_label(t) for t in ticks],
+        },
+        height=400,
         margin={"t": 40, "b": 40},
+        legend={"font": {"size": 10}, "tracegroupgap": 2},
     )
     return figure

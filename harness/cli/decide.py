@@ -7,12 +7,12 @@ MLflow run as artifacts.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import click
 import pandas as pd
-from rich.table import Table
 
 from harness.analyse.pareto import (
     DEFAULT_OBJECTIVES,
@@ -26,16 +26,18 @@ from harness.analyse.pareto import (
 )
 from harness.analyse.pareto import recommend as ranked_fits
 from harness.cli.common import (
+    cell,
     experiment_option,
     make_console,
     open_sweep,
     output_dir,
     show,
     sweep_options,
+    table_text,
     tracking_uri_option,
 )
 from harness.contract import AXES
-from harness.record.results import Sweep, trial_timeline
+from harness.record.results import ResultsError, Sweep, find_trial, trial_timeline
 from harness.record.tracking import publish
 from harness.units import format_bytes, parse_bytes
 
@@ -120,7 +122,9 @@ def pareto(
         f"[bold]{sweep.experiment}[/]: {int(analysis.feasible.sum())} of {len(sweep.frame)} "
         f"trials feasible ({where}); objectives {', '.join(map(str, chosen))}"
     )
-    show(analysis.front_table(), "Pareto front (feasible, non-dominated)", console)
+    front = analysis.front.sort_values(chosen[0].metric)  # front_table's order, whole rows
+    columns = list(analysis.front_table().columns)
+    show(front, "Pareto front (feasible, non-dominated)", console, columns)
     show(analysis.groups, f"Per {analysis.by or 'sweep'}: hypervolume", console)
     console.print(f"Hypervolume: {analysis.reference}.", soft_wrap=True)
     if len(analysis.dominance) > 1:
@@ -155,24 +159,17 @@ def recommend(
     sweep = open_sweep(experiment, sweep_id, tracking_uri)
     ranked = ranked_fits(sweep.frame, limit, objective)
     if ranked.empty:
-        ok = sweep.frame[sweep.frame["status"].eq("ok") & sweep.frame[MEMORY].notna()]
-        smallest = (
-            f"; the smallest measured peak is {format_bytes(ok[MEMORY].min())}"
-            if not ok.empty
-            else "; no trial finished ok"
-        )
-        click.echo(
-            f"nothing in sweep {sweep.experiment!r} fits in {format_bytes(limit)}{smallest}",
-            err=True,
-        )
+        click.echo(nothing_fits(sweep, limit), err=True)
         raise SystemExit(2)
     best = ranked.iloc[0]
     columns = [*AXES, MEMORY, "throughput", "accuracy"]
-    show(ranked[[c for c in columns if c in ranked]], f"Best within {format_bytes(limit)}", console)
+    show(ranked, f"Best within {format_bytes(limit)}", console, [c for c in columns if c in ranked])
     console.print(
         f"Recommended: {' '.join(str(best[c]) for c in AXES)} "
-        f"({objective} {best[objective]:,.4g}, peak {format_bytes(best[MEMORY])})",
+        f"({objective} {cell(objective, best[objective], best)}, "
+        f"peak {cell(MEMORY, best[MEMORY])})",
         soft_wrap=True,
+        highlight=False,
     )
     if len(ranked) > 1:
         runner = ranked.iloc[1]
@@ -180,37 +177,101 @@ def recommend(
             f"Runner-up: {' '.join(str(runner[c]) for c in AXES)}: "
             f"{gives_up(best, runner, objective)}",
             soft_wrap=True,
+            highlight=False,
         )
+
+
+def nothing_fits(sweep: Sweep, limit: float) -> str:
+    """Why nothing can be recommended, in one line, and what to do about it: a budget below
+    every measured peak, or a sweep in which no trial ran to the end."""
+    frame, where = sweep.frame, f"sweep {sweep.experiment!r}"
+    if frame.empty:
+        return f"nothing to recommend: {where} has no trials recorded yet"
+    ok = frame[frame["status"].eq("ok") & frame[MEMORY].notna()]
+    if not ok.empty:
+        smallest = ok[MEMORY].min()
+        return (
+            f"nothing in {where} fits in {format_bytes(limit)}; the smallest measured peak is "
+            f"{format_bytes(smallest)} (--budget {budget_at_least(smallest)} or more)"
+        )
+    counts = frame["status"].value_counts()
+    statuses = ", ".join(f"{n} {status}" for status, n in counts.items())
+    hints = []
+    if counts.get("infeasible"):
+        device = sweep.device_memory
+        over = f"predicted over device_memory {format_bytes(device)}" if device else "not run"
+        predicted = frame.loc[frame["status"].eq("infeasible"), "predicted_peak_bytes"].min()
+        larger = "a larger device_memory"
+        if not pd.isna(predicted):
+            larger = f"device_memory: {budget_at_least(predicted)} or more"
+        hints.append(
+            f"the infeasible ones were {over}, so never ran: set limits.run_infeasible: true "
+            f"and run harness sweep SPEC --retry-failed=all, or give the spec {larger}"
+        )
+    if counts.get("oom"):
+        reached = frame.loc[frame["status"].eq("oom"), MEMORY].min()
+        least = "" if pd.isna(reached) else f" (the least at {format_bytes(reached)})"
+        hints.append(
+            f"the oom ones ran out of memory{least}: give them a larger device_memory or "
+            "device, smaller batch sizes or a memory strategy (checkpoint, bf16_params, "
+            "accumulate:N)"
+        )
+    if set(counts.index) - {"infeasible", "oom"}:
+        hints.append("harness results shows each failure_reason")
+    return f"nothing to recommend: no trial of {where} finished ok ({statuses}); " + "; ".join(
+        hints
+    )
+
+
+def budget_at_least(num: float) -> str:
+    """A size to type that is not below ``num`` bytes, e.g. ``249.4KiB`` for 255,300 B."""
+    value, unit = float(num), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{math.ceil(value * 10) / 10:g}{unit}"
 
 
 @click.command()
 @sweep_options
 @click.option("--by", default="auto", show_default=True, help=BY_HELP)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--mlflow-ui",
+    default="http://127.0.0.1:5000",
+    show_default=True,
+    help="Where the trial links point: the MLflow UI serving this store (make ui's address, "
+    "or your tracking server's).",
+)
 def report(
-    experiment: str | None, sweep_id: str, tracking_uri: str, by: str, out: Path | None
+    experiment: str | None,
+    sweep_id: str,
+    tracking_uri: str,
+    by: str,
+    out: Path | None,
+    mlflow_ui: str,
 ) -> None:
-    """One self-contained HTML page for a sweep: tables, Pareto plots, memory breakdown."""
+    """One self-contained HTML page for a sweep: the recommendation under the budget first,
+    then the fronts, the memory breakdowns and timelines, every trial linked to its run."""
     from harness.analyse.report import write_report
 
     sweep = open_sweep(experiment, sweep_id, tracking_uri)
     objectives = objectives_for(sweep, None)
     analysis = run_analysis(sweep, objectives, by, sweep.device_memory)
-    path = write_report(sweep, analysis, objectives, out or output_dir(sweep, None) / "report.html")
+    target = out or output_dir(sweep, None) / "report.html"
+    path = write_report(sweep, analysis, objectives, target, mlflow_ui=mlflow_ui.rstrip("/"))
     publish(sweep.tracking_uri, sweep.parent_run_id, [path], "report")
     click.echo(f"wrote {path} (also on MLflow run {sweep.parent_run_id})")
 
 
-def trial_row(sweep: Sweep, key_or_run: str) -> pd.Series:
-    """The trial with this run id or trial key (the latest run of it in the sweep)."""
-    frame = sweep.frame
-    found = frame[(frame["run_id"] == key_or_run) | (frame["trial_key"] == key_or_run)]
-    if found.empty:
-        raise click.ClickException(
-            f"no trial with run id or trial key {key_or_run!r} in experiment "
-            f"{sweep.experiment!r} (see the trial_key and run_id columns of harness results)"
-        )
-    return found.sort_values("start_time").iloc[-1]
+def trial_row(sweep: Sweep, name: str) -> pd.Series:
+    """The trial with this run id, trial key, trial key prefix (4+ characters) or run name
+    (the latest run of it in the sweep), or a one-line error."""
+    try:
+        return find_trial(sweep, name)
+    except ResultsError as error:
+        raise click.ClickException(str(error)) from None
 
 
 def row_timeline(sweep: Sweep, row: pd.Series) -> dict[str, Any]:
@@ -241,7 +302,9 @@ def timeline_peaks(data: dict[str, Any]) -> tuple[int, int]:
 def timeline(
     trial: str, other: str | None, experiment: str | None, tracking_uri: str, out: Path | None
 ) -> None:
-    """Draw a trial's memory timeline (TRIAL: its run id or trial key), or overlay two."""
+    """Draw a trial's memory timeline, or overlay two. TRIAL (and OTHER): a run id, a trial
+    key or its first 4+ characters (the trial column of harness results), or the run name
+    ('small bs=32 fp32 none')."""
     from harness.analyse import plots, timelines
 
     sweep = open_sweep(experiment, "all", tracking_uri)
@@ -251,14 +314,15 @@ def timeline(
     path = out or output_dir(sweep, None) / "timelines" / f"{name}.png"
     title = " vs ".join(label for label, _ in drawn)
     timelines.timeline_png(drawn, path, f"memory timeline: {title}")
-    table = Table(title="memory timeline")
-    for column in ("trial", "trial_key", "peak (total)", "peak activations", "ops"):
-        table.add_column(column)
-    for (label, data), row in zip(drawn, rows, strict=True):
-        total, activations = timeline_peaks(data)
-        table.add_row(
-            label, str(row["trial_key"]), format_bytes(total), format_bytes(activations),
-            str(data["ops"]),
-        )  # fmt: skip
-    make_console().print(table)
+    peaks = pd.DataFrame(
+        [
+            {"trial": label, "trial_key": row["trial_key"], "ops": data["ops"]}
+            | dict(zip(("peak_bytes", "activation_bytes"), timeline_peaks(data), strict=True))
+            for (label, data), row in zip(drawn, rows, strict=True)
+        ]
+    )
+    headings = {"trial_key": "key", "peak_bytes": "peak (total)"}
+    headings["activation_bytes"] = "peak activations"
+    columns = ["trial", "trial_key", "peak_bytes", "activation_bytes", "ops"]
+    click.echo(table_text(peaks, columns, headings, title="memory timeline"))
     click.echo(f"wrote {path}")

@@ -8,23 +8,41 @@ from typing import Any
 import click
 
 from harness.spec import load_spec, points
-from harness.units import format_bytes, format_count
+from harness.units import format_bytes
 
 
 @click.command()
 @click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 def validate(specs: tuple[Path, ...]) -> None:
-    """Check SPEC files without running anything; print the number of trials each plans."""
+    """Check SPEC files without running anything; print the number of trials each plans.
+
+    Every file is checked: one line per problem per bad file (stderr), one ok line per good
+    one (stdout); exit status 2 when any was bad."""
+    from harness.spec import SpecError
     from harness.sweep.preflight import device_problem
 
+    bad = []
     for path in specs:
-        spec = load_spec(path)
-        click.echo(f"{path}: ok ({len(points(spec))} trials, experiment {spec.experiment!r})")
+        try:
+            spec = load_spec(path)
+            planned = len(points(spec))
+        except SpecError as error:
+            click.echo(str(error), err=True)
+            bad.append(path)
+            continue
+        click.echo(f"{path}: ok ({planned} trials, experiment {spec.experiment!r})")
         why = device_problem(spec.device)
         if why:  # a valid spec for another machine: sweep refuses it here, estimate is fine
             click.echo(
                 f"{path}: warning: device: {why}; `harness sweep` refuses it on this host", err=True
             )
+    if bad:
+        if len(specs) > 1:
+            click.echo(
+                f"{len(bad)} of {len(specs)} specs have problems: {', '.join(map(str, bad))}",
+                err=True,
+            )
+        raise SystemExit(2)
 
 
 @click.command()
@@ -139,14 +157,8 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
 
 
 def estimate_cell(column: str, value: Any) -> str:
-    import pandas as pd
+    from harness.cli.common import cell, is_missing
 
-    if value is None or (not isinstance(value, str) and pd.isna(value)):
-        return "-"
-    if column.endswith("_bytes"):
-        return format_bytes(value, short=True)
-    if column == "num_params":
-        return format_count(value)
-    if column == "fits":
+    if column == "fits" and not is_missing(value):
         return "yes" if value else "NO"
-    return str(value)
+    return cell(column, value)  # the one rule of every table: bytes, counts, ...

@@ -1,15 +1,42 @@
-"""``harness results``: the results table of a recorded sweep, printed or written to a file."""
+"""``harness results``: the results table of a recorded sweep, printed or written to a file.
+
+The printed table is for reading: by default the grid point, status, a short trial key, the
+peak and its breakdown, throughput and accuracy, in 160 columns (``--columns`` picks others,
+``--wide`` shows every column), each cell formatted by ``harness.cli.common.cell``. CSV, JSON
+and Parquet are for programs: every column, raw numbers.
+"""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import click
+import pandas as pd
 
-from harness.cli.common import sweep_options
+from harness.cli.common import (
+    BREAKDOWN,
+    HEADINGS,
+    MAX_LINE,
+    OneLineError,
+    noise_footnote,
+    sweep_options,
+    table_text,
+)
 
 FORMATS = ("table", "csv", "parquet", "json")
-HIDDEN_IN_TABLE = ["run_id", "sweep_run_id", "start_time"]
+DEFAULT_COLUMNS = [
+    "model_size",
+    "batch_size",
+    "dtype",
+    "strategy",
+    "status",
+    "trial_key",
+    "peak_allocated_bytes",
+    BREAKDOWN,
+    "throughput",
+    "accuracy",
+]
 
 
 @click.command()
@@ -21,12 +48,34 @@ HIDDEN_IN_TABLE = ["run_id", "sweep_run_id", "start_time"]
     default=None,
     help="Write to this file instead of stdout (required for parquet).",
 )
+@click.option(
+    "--columns",
+    default=None,
+    help="Table only: these results columns, in this order, e.g. "
+    "'model_size,strategy,peak_rss_bytes,step_time_ms_p50' ('breakdown': the peak's shares).",
+)
+@click.option("--wide", is_flag=True, help="Table only: every column that has a value.")
 def results(
-    experiment: str | None, sweep_id: str, tracking_uri: str, fmt: str, out: Path | None
+    experiment: str | None,
+    sweep_id: str,
+    tracking_uri: str,
+    fmt: str,
+    out: Path | None,
+    columns: str | None,
+    wide: bool,
 ) -> None:
-    """One row per trial: configuration, status and every metric, as a table or a file."""
+    """One row per trial: configuration, status and every metric, as a table or a file.
+
+    The table shows the grid point, status, trial key, peak memory and its breakdown,
+    throughput and accuracy; --columns and --wide show others. CSV, JSON and Parquet hold
+    every column with raw numbers.
+    """
     from harness.record.results import ResultsError, load
 
+    if fmt != "table" and (columns or wide):
+        raise OneLineError(f"--columns and --wide shape the table; --format {fmt} has every column")
+    if columns and wide:
+        raise OneLineError("give --columns or --wide, not both")
     try:
         frame = load(experiment, tracking_uri, sweep=sweep_id)
     except ResultsError as error:
@@ -39,9 +88,11 @@ def results(
         text = frame.to_csv(index=False)
     elif fmt == "json":
         text = frame.to_json(orient="records", indent=1, date_format="iso")
+    elif wide:
+        filled = frame.replace("", None).notna().any()
+        text = table_text(frame, [c for c in frame.columns if filled[c]])
     else:
-        shown = frame[[c for c in frame.columns if frame[c].notna().any()]]
-        text = shown.drop(columns=HIDDEN_IN_TABLE, errors="ignore").to_string(index=False)
+        text = readable_table(frame, chosen_columns(frame, columns) if columns else None)
     if fmt != "parquet":
         if out is None:
             click.echo(text)
@@ -49,3 +100,44 @@ def results(
             out.write_text(text)
     if out is not None:
         click.echo(f"wrote {len(frame)} trials to {out}", err=True)
+
+
+def chosen_columns(frame: pd.DataFrame, text: str) -> list[str]:
+    """``--columns a,b,c`` as a list, or one line naming an unknown column and close ones."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known = [*frame.columns, BREAKDOWN]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise OneLineError(
+                f"--columns: no results column {name!r}{hint} (harness results --wide shows them)"
+            )
+    if not names:
+        raise OneLineError("--columns: name at least one column, e.g. --columns model_size,status")
+    return names
+
+
+def readable_table(frame: pd.DataFrame, columns: list[str] | None) -> str:
+    """The table people read: the chosen columns (default ``DEFAULT_COLUMNS``), why a trial
+    did not finish in a numbered note under it, and what a throughput's noise mark means."""
+    frame = frame.copy()
+    columns = columns or [c for c in DEFAULT_COLUMNS if c in frame.columns or c == BREAKDOWN]
+    notes: dict[str, int] = {}
+    if "status" in columns and "failure_reason" not in columns:
+        for index, reason in frame["failure_reason"].items():
+            if isinstance(reason, str) and reason:
+                number = notes.setdefault(reason, len(notes) + 1)
+                frame.at[index, "status"] = f"{frame.at[index, 'status']} [{number}]"
+    lines = [table_text(frame, columns, HEADINGS)]
+    for reason, number in notes.items():
+        lines.append(clip(f"[{number}] {reason}"))
+    footnote = noise_footnote(frame) if "throughput" in columns else None
+    if footnote:
+        lines.append(footnote)
+    return "\n".join(lines)
+
+
+def clip(line: str) -> str:
+    line = " ".join(line.split())  # a multi-line reason reads as one line
+    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 1] + "…"

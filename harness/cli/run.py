@@ -7,12 +7,10 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.table import Table
 
-from harness.cli.common import make_console
+from harness.cli.common import HEADINGS, make_console, noise_footnote, table_text
 from harness.contract import AXES, STORAGE_ENV, TRACKING_ENV
 from harness.spec import SpecError, load_spec, on_hardware, points, trial_config
-from harness.units import format_bytes
 
 
 class RetryChoice(click.Choice):
@@ -189,6 +187,8 @@ def print_summary(
     console: Console, experiment: str, tracking_uri: str, parent_run_id: str
 ) -> dict[str, int]:
     """The sweep's outcome per status and its best configurations; the counts per status."""
+    import pandas as pd
+
     from harness.record.results import load
 
     frame = load(experiment, tracking_uri, sweep=parent_run_id)
@@ -199,37 +199,28 @@ def print_summary(
     )
     ok = frame[frame["status"] == "ok"]
     if not ok.empty:
-        table = Table(title="Best configurations (ok trials)")
-        unit = ok["throughput_unit"].dropna().iloc[0] if ok["throughput_unit"].notna().any() else ""
-        for column in (
-            "best for",
-            "size",
-            "batch",
-            "dtype",
-            "strategy",
-            "peak alloc",
-            unit or "throughput",
-            "acc",
-        ):
-            table.add_column(column, no_wrap=True)
+        columns = ["best for", *AXES, "trial_key", "peak_allocated_bytes", "throughput", "accuracy"]
         picks = [
             ("least memory", ok.nsmallest(2, "peak_allocated_bytes")),
             ("most throughput", ok.nlargest(2, "throughput")),
             ("best accuracy", ok.nlargest(2, "accuracy")),
         ]
-        for label, rows in picks:
-            for _, row in rows.iterrows():
-                table.add_row(
-                    label,
-                    *(str(row[c]) for c in AXES),
-                    format_bytes(row["peak_allocated_bytes"]),
-                    f"{row['throughput']:,.0f}",
-                    f"{row['accuracy']:.3f}",
-                )
-                label = ""
-        console.print(table)
+        best = pd.concat(
+            [rows.assign(**{"best for": [label] + [""] * (len(rows) - 1)}) for label, rows in picks]
+        )
+        console.print(
+            table_text(best, columns, HEADINGS, title="Best configurations (ok trials)"),
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+        footnote = noise_footnote(ok)
+        if footnote:
+            console.print(footnote, highlight=False, markup=False, soft_wrap=True)
+    from harness.record.tracking import ui_hint
+
     console.print(
-        "Next: [bold]make ui[/] (MLflow UI on http://127.0.0.1:5000), "
+        f"Next: {ui_hint(tracking_uri, experiment)} (the trials' runs, key metrics as columns), "
         f"[bold]harness results --experiment {experiment}[/] (the table), "
         "or harness.results.load() in Python.",
         soft_wrap=True,

@@ -304,3 +304,60 @@ def trial_timeline(tracking_uri: str, run_id: str) -> dict[str, Any] | None:
             return json.loads(Path(path).read_text())
         except (MlflowException, OSError, ValueError):
             return None
+
+
+MIN_KEY_PREFIX = 4  # characters of a trial_key that may name a trial (tables show 8)
+
+
+def find_trial(sweep: Sweep, name: str) -> pd.Series:
+    """The trial ``name`` means in ``sweep.frame`` (the latest run of it): a run id, a trial_key,
+    a prefix of one trial_key (at least ``MIN_KEY_PREFIX`` characters, as tables print them),
+    or the MLflow run name the sweep gave it (``small bs=32 fp32 none``; one that several
+    sweeps share means this sweep's). ``ResultsError`` when none or several trials match."""
+    frame = sweep.frame
+    found = frame[(frame["run_id"] == name) | (frame["trial_key"] == name)]
+    if found.empty and len(name) >= MIN_KEY_PREFIX:
+        found = frame[frame["trial_key"].astype(str).str.startswith(name)]
+    if found.empty:  # run names have spaces ("s bs=8 fp32 none"): never a key or its prefix
+        named = frame[frame["run_id"].isin(runs_named(sweep, name))]
+        in_this_sweep = named[named["sweep_run_id"] == sweep.parent_run_id]
+        found = in_this_sweep if not in_this_sweep.empty else named
+    if found.empty:
+        short = (
+            f"; a key prefix needs {MIN_KEY_PREFIX}+ characters"
+            if 0 < len(name) < MIN_KEY_PREFIX
+            else ""
+        )
+        raise ResultsError(
+            f"no trial with run id or trial key {name!r} (or a key prefix, or a run name) in "
+            f"experiment {sweep.experiment!r}{short} (see the trial column of harness results)"
+        )
+    keys = found.drop_duplicates("trial_key", keep="last")
+    if len(keys) > 1:
+        listed = ", ".join(
+            f"{row['trial_key']} ({row['model_size']} bs={row['batch_size']} {row['dtype']} "
+            f"{row['strategy']})"
+            for _, row in keys.head(6).iterrows()
+        )
+        more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+        raise ResultsError(
+            f"{name!r} names {len(keys)} trials: {listed}{more}; give more of the trial key"
+        )
+    return found.sort_values("start_time").iloc[-1]
+
+
+def runs_named(sweep: Sweep, name: str) -> list[str]:
+    """Run ids of the sweep's experiment's trial runs whose MLflow run name is ``name``."""
+    if not name.strip() or "'" in name:  # no filter string quotes it; no trial is named so
+        return []
+    client = _client(sweep.tracking_uri)
+    found = client.get_experiment_by_name(sweep.experiment)
+    if found is None:
+        return []
+    runs = all_runs(
+        client,
+        [found.experiment_id],
+        f"attributes.run_name = '{name}' and tags.{ROLE_TAG} = '{TRIAL_ROLE}'",
+        ["attributes.start_time ASC"],
+    )
+    return [run.info.run_id for run in runs]

@@ -23,6 +23,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from harness.analyse.noise import NOISY_MARK, noise_reason
 from harness.record.stores import redact
 from harness.record.tracking import Tracker
 from harness.spec import Spec, grid_hash, on_hardware, points
@@ -31,7 +32,7 @@ from harness.sweep.launch import launch_trial, start_warm_starter
 from harness.trial.config import TIMELINE_FILE, TIMELINE_PNG, TrialConfig
 from harness.trial.hardware import describe_hardware, host_hardware
 from harness.trial.result import OVER_BUDGET, RETRYABLE, Status, TrialResult
-from harness.units import format_bytes
+from harness.units import format_bytes, format_quantity
 
 
 @dataclass
@@ -50,13 +51,14 @@ def describe(result: TrialResult) -> str:
     """A short human summary of a result for progress lines."""
     metrics = result.metrics
     parts = [result.status.value]
-    if "peak_allocated_bytes" in metrics:
-        parts.append(f"peak {format_bytes(metrics['peak_allocated_bytes'])}")
+    if "peak_allocated_bytes" in metrics:  # as every table shows them (harness.cli.common.cell)
+        parts.append(f"peak {format_bytes(metrics['peak_allocated_bytes'], short=True)}")
     if "throughput" in metrics:
         unit = result.info.get("throughput_unit", "samples/s")
-        parts.append(f"{metrics['throughput']:,.0f} {unit}")
+        noisy = noise_reason({**result.metrics, **result.info})
+        parts.append(format_quantity(metrics["throughput"], unit) + (NOISY_MARK if noisy else ""))
     if "accuracy" in metrics:
-        parts.append(f"acc {metrics['accuracy']:.3f}")
+        parts.append(f"acc {format_quantity(metrics['accuracy'])}")
     if result.failure_reason:
         parts.append(f"({result.failure_reason})")
     return "  ".join(parts)
@@ -279,12 +281,21 @@ def work(
                         problem = draw_timeline(workdir, label)
                         if problem:
                             progress.console.print(f"[yellow]{problem}[/]", soft_wrap=True)
+                        info = {k: result.info.get(k) for k in ("torch_threads", "device")}
+                        noisy = noise_reason({**result.metrics, **info})
+                        if noisy:
+                            progress.console.print(
+                                f"[yellow]throughput of {label} is noisy ({noisy}): compare it "
+                                'only with care; see README "Stable CPU timings"[/]',
+                                soft_wrap=True,
+                            )
                         run_id = tracker.log_trial(
                             parent, config, result, workdir, started_ms, label
                         )
                         plan.tell(study, trial, spec, result, run_id)
                     progress.console.print(
-                        f"[{index}/{total}] {label:<28} {describe(result)}  "
+                        f"[{index}/{total}] {label:<28} {config.trial_key[:8]}  "
+                        f"{describe(result)}  "
                         f"[{result.wall_time_s or 0:.1f}s]",
                         soft_wrap=True,
                         markup=False,

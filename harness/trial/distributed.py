@@ -234,9 +234,16 @@ class Ranks:
         return sum(values) / len(values)
 
     def worst_memory(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The memory reading of the rank with the highest peak."""
+        """The memory reading of the rank with the highest allocated peak (its breakdown), with
+        the highest reserved and device-level peaks of any rank: the budget check compares
+        reserved memory on CUDA, and the rank that reserves most may not allocate most."""
         readings = self.gather(metrics)
-        return max(readings, key=lambda m: m["peak_allocated_bytes"])
+        worst = dict(max(readings, key=lambda m: m["peak_allocated_bytes"]))
+        for key in ("peak_reserved_bytes", "peak_device_bytes"):
+            values = [m[key] for m in readings if key in m]
+            if values:
+                worst[key] = max(values)
+        return worst
 
     def combined_speed(self, metrics: dict[str, float]) -> dict[str, float]:
         """Throughput adds up over ranks; every other figure is the worst rank's: a step is as
