@@ -8,6 +8,9 @@ SPEC   ?= experiments/default.yaml
 # torch/torchvision pinned here (not in pyproject) to the releases this machine serves from disk;
 # a GPU user may install any torch>=2.4 instead.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+# Where torch comes from: empty is pip's default (PyPI's CUDA build: a 6.6 GB .venv); a CPU-only
+# machine can take `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu` (~2.5 GB).
+TORCH_INDEX ?=
 
 FORMAT ?= table
 
@@ -18,7 +21,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH_PINS)
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PINS)
 	$(BIN)/python -m pip install --quiet -e '.[dev,models]'
 	touch $(STAMP)
 
