@@ -241,5 +241,5 @@ def gives_up(best: pd.Series, runner_up: pd.Series, objective: str) -> str:
 
     return (
         f"{objective} {change(objective)}, peak memory {change(MEMORY)} "
-        f"({format_bytes(runner_up[MEMORY])} vs {format_bytes(best[MEMORY])})"
+        f"({format_bytes(runner_up[MEMORY], short=True)} vs {format_bytes(best[MEMORY], short=True)})"
     )

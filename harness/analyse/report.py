@@ -69,7 +69,7 @@ def metric_cell(metric: str, row: pd.Series) -> str:
         return "-"
     value = float(value)
     if metric.endswith("_bytes"):
-        return html.escape(format_bytes(value))
+        return html.escape(format_bytes(value, short=True))
     if "accuracy" in metric:
         return f"{value:.3f}"
     if metric.endswith("_ms") or "_ms_" in metric:
