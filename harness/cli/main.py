@@ -6,6 +6,7 @@ import click
 
 from harness.cli.common import SpecAwareGroup
 from harness.cli.decide import pareto, recommend, report, timeline
+from harness.cli.fit import fit
 from harness.cli.plan import estimate, validate
 from harness.cli.results import results
 from harness.cli.run import sweep, worker
@@ -18,5 +19,16 @@ def main() -> None:
 
 
 # In the order of the data flow: look at a spec, run it, read it, decide from it.
-for command in (validate, estimate, sweep, worker, results, pareto, recommend, report, timeline):
+for command in (
+    validate,
+    estimate,
+    fit,
+    sweep,
+    worker,
+    results,
+    pareto,
+    recommend,
+    report,
+    timeline,
+):
     main.add_command(command)

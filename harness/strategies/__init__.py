@@ -369,6 +369,17 @@ def world_size(terms: list[str]) -> int:
     return 1
 
 
+def batch_step(terms: list[str]) -> int:
+    """The batch sizes these strategies allow are the multiples of this: each ``ddp:N``,
+    ``fsdp:N`` and ``accumulate:K`` splits the batch that many ways."""
+    step = 1
+    for term in terms:
+        name, arg = parse_term(term)
+        if STRATEGIES[name].splits_batch and arg is not None:
+            step *= int(arg)
+    return step
+
+
 def needs_process_group(terms: list[str]) -> bool:
     """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``, ``N = 1`` included."""
     return any(STRATEGIES[parse_term(term)[0]].group == "parallel" for term in terms)

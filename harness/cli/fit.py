@@ -1,0 +1,151 @@
+"""``harness fit``: the largest batch (or sequence length) that fits each card, predicted."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import click
+
+from harness.cli.common import make_console
+from harness.spec import SpecError, load_spec
+from harness.units import format_bytes, parse_bytes
+
+
+def budgets_option(text: str | None, spec: Any, source: Path) -> list[int]:
+    """``--budget 24GiB,80GiB,141GiB``, or the spec's ``device_memory``; one line if neither."""
+    if text is None:
+        if spec.device_memory is None:
+            raise SpecError(
+                f"{source}: device_memory: not set; give --budget 24GiB,80GiB (the cards to fit)"
+            )
+        return [int(spec.device_memory)]
+    budgets = []
+    for part in text.split(","):
+        try:
+            budgets.append(parse_bytes(part.strip()))
+        except ValueError as error:
+            raise click.BadParameter(f"{part.strip()!r}: {error}", param_hint="--budget") from None
+    return budgets
+
+
+def cell(row: Any, axis: str) -> str:
+    """A matrix cell: the largest value that fits, or why there is none."""
+    if row.get("refused") or row.get("unpredictable"):
+        return "not predicted"
+    value = row.get("value")
+    if value is None or value != value:
+        return "-"
+    if int(value) == 0:
+        return "does not fit at 1" if axis == "batch_size" else "does not fit"
+    capped = int(value) >= int(row.get("max_tried") or 0)
+    return f"{int(value):,}" + ("+" if capped else "")
+
+
+@click.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--budget",
+    "budget_text",
+    default=None,
+    help="Cards to fit, e.g. 24GiB,80GiB,141GiB (default: the spec's device_memory).",
+)
+@click.option(
+    "--axis",
+    type=click.Choice(["batch_size", "seq_len"]),
+    default="batch_size",
+    show_default=True,
+    help="What to make as large as fits (the grid's other axes stay).",
+)
+@click.option(
+    "--max",
+    "maximum",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The largest value to try (default 4096 for the batch, also at most the dataset's "
+    "training split; 131072 for seq_len).",
+)
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Predict for this device's allocator (cuda works without a GPU).",
+)
+def fit(
+    spec_path: Path,
+    budget_text: str | None,
+    axis: str,
+    maximum: int | None,
+    fmt: str,
+    device: str,
+) -> None:
+    """The largest batch (or sequence length) of every configuration that fits each budget,
+    predicted on fake tensors: no GPU, nothing allocated."""
+    from harness.spec.schema import local_device
+    from harness.sweep.estimate import EstimateError
+    from harness.sweep.fit import fit_grid
+
+    spec = load_spec(spec_path)
+    budgets = budgets_option(budget_text, spec, spec_path)
+    target = device if device != "auto" else spec.device.split(":")[0]
+    if target == "auto":
+        target = local_device()
+    try:
+        frame = fit_grid(spec, target, budgets, axis, maximum)
+    except EstimateError as error:
+        raise click.ClickException(str(error)) from None
+    if fmt == "csv":
+        click.echo(frame.to_csv(index=False), nl=False)
+    elif fmt == "json":
+        click.echo(frame.to_json(orient="records", indent=1))
+    else:
+        show_fit(frame, spec, budgets, axis, target)
+
+
+def show_fit(frame: Any, spec: Any, budgets: list[int], axis: str, target: str) -> None:
+    """The matrix (configurations × cards), then how the answers were found."""
+    from rich.table import Table
+
+    console = make_console()
+    noun = "batch" if axis == "batch_size" else "sequence length"
+    table = Table(title=f"{spec.name}: the largest {noun} that fits, predicted for {target}")
+    for column in ("size", "dtype", "strategy"):
+        table.add_column(column, no_wrap=True)
+    for budget in budgets:
+        table.add_column(format_bytes(budget, short=True), justify="right", no_wrap=True)
+    for (size, dtype, strategy), rows in frame.groupby(
+        ["model_size", "dtype", "strategy"], sort=False
+    ):
+        by_budget = {int(r["budget_bytes"]): r for r in rows.to_dict("records")}
+        table.add_row(size, dtype, strategy, *(cell(by_budget[b], axis) for b in budgets))
+    console.print(table)
+    answered = frame[frame["value"].fillna(0) > 0]
+    counts = frame["predictions"].dropna()
+    seconds = frame.drop_duplicates(["model_size", "dtype", "strategy"])["config_seconds"].sum()
+    methods = answered["method"].value_counts().to_dict() if len(answered) else {}
+    console.print(
+        f"{len(frame)} answers from {int(counts.sum())} predictions "
+        f"(median {statistics.median(counts):g} per answer; "
+        + ", ".join(f"{n} by {m}" for m, n in methods.items())
+        + f") in {seconds:.0f} s. Each answer b fits: predicted(b) <= budget < predicted(next "
+        "allowed b); '+' means the search stopped at --max (or the training split).",
+        soft_wrap=True,
+        highlight=False,
+    )
+    margin = answered["margin_bytes"].min() if len(answered) else None
+    console.print(
+        "On CPU the prediction is exact tensor accounting. On CUDA it is allocated memory: keep "
+        "a margin for what the allocator reserves beyond it and for the CUDA context (often "
+        "0.3-1 GiB), e.g. fit against the card's size minus 10 %"
+        + (
+            f"; the smallest margin left here is {format_bytes(margin, short=True)}"
+            if margin is not None
+            else ""
+        )
+        + ".",
+        soft_wrap=True,
+        highlight=False,
+    )

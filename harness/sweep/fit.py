@@ -1,0 +1,148 @@
+"""``harness fit``: the largest batch (or sequence length) each configuration allows on each
+card, predicted, before any GPU time.
+
+The grid without the chosen axis (model size × dtype × strategy) is searched by the trial
+layer (``python -m harness.trial.fit``: the estimator at a few values of the axis, see its
+notes) in one child process, so this one never imports model code. One row per configuration
+and budget; ``matrix`` turns them into configurations × cards.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.spec import Spec, trial_config
+from harness.sweep.estimate import EstimateError
+from harness.trial.config import TrialConfig
+from harness.workloads.sizes import training_samples
+
+DEFAULT_MAX = {"batch_size": 4096, "seq_len": 131072}
+
+
+def configurations(spec: Spec) -> list[TrialConfig]:
+    """One trial config per model size × dtype × strategy (the grid's first batch size)."""
+    seen: dict[tuple[str, str, str], TrialConfig] = {}
+    batch = next((b for b in spec.grid.batch_size if isinstance(b, int)), 1)
+    for size in spec.model.sizes:
+        for dtype in spec.grid.dtype:
+            for strategy in spec.grid.strategy:
+                point = {
+                    "model_size": size,
+                    "batch_size": batch,
+                    "dtype": dtype,
+                    "strategy": strategy,
+                }
+                seen.setdefault((size, dtype, strategy), trial_config(spec, point))
+    return list(seen.values())
+
+
+def upper_bound(config: TrialConfig, axis: str, maximum: int | None) -> int:
+    """The axis' largest value to try: ``--max``, and for the batch the training split (a batch
+    larger than it cannot be drawn)."""
+    bound = maximum or DEFAULT_MAX[axis]
+    if axis == "batch_size":
+        samples = training_samples(config.dataset, config.dataset_options)
+        if samples:
+            bound = min(bound, samples)
+    return bound
+
+
+def fit_configs(
+    configs: list[TrialConfig], target: str, budgets: list[int], axis: str, maximum: int | None
+) -> list[dict[str, Any]]:
+    """The trial layer's answers: per config, its rows (one per budget) and seconds."""
+    answers: list[dict[str, Any]] = []
+    groups: dict[int, list[int]] = {}
+    for index, config in enumerate(configs):
+        groups.setdefault(upper_bound(config, axis, maximum), []).append(index)
+    by_index: dict[int, dict[str, Any]] = {}
+    for bound, indices in groups.items():
+        with tempfile.TemporaryDirectory() as folder:
+            request, answer = Path(folder) / "in.json", Path(folder) / "out.json"
+            request.write_text(
+                json.dumps(
+                    {
+                        "device": target,
+                        "axis": axis,
+                        "budgets": budgets,
+                        "max": bound,
+                        "configs": [configs[i].to_dict() for i in indices],
+                    }
+                )
+            )
+            done = subprocess.run(  # its progress lines go to our stderr
+                [sys.executable, "-m", "harness.trial.fit", str(request), str(answer)],
+                stdout=sys.stderr,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            if done.returncode != 0:
+                last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
+                raise EstimateError(f"the fit search failed: {last}")
+            for i, found in zip(indices, json.loads(answer.read_text()), strict=True):
+                by_index[i] = found
+    answers = [by_index[i] for i in range(len(configs))]
+    return answers
+
+
+def fit_grid(
+    spec: Spec,
+    target: str,
+    budgets: list[int],
+    axis: str = "batch_size",
+    maximum: int | None = None,
+) -> pd.DataFrame:
+    """One row per configuration and budget: the largest ``axis`` value that fits, the
+    predicted peak and breakdown there, the margin, the next value's peak, the predictions."""
+    configs = configurations(spec)
+    print(
+        f"fitting {axis} for {len(configs)} configuration(s) x {len(budgets)} budget(s) "
+        f"on {target} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    rows = []
+    for config, found in zip(
+        configs, fit_configs(configs, target, budgets, axis, maximum), strict=True
+    ):
+        for row in found["rows"]:
+            rows.append(
+                {
+                    "model_size": config.model_size,
+                    "dtype": config.dtype,
+                    "strategy": config.strategy_text,
+                    "axis": axis,
+                    **row,
+                    "max_tried": upper_bound(config, axis, maximum),
+                    "config_seconds": found["seconds"],
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def matrix(frame: pd.DataFrame) -> pd.DataFrame:
+    """Configurations × budgets, each cell the largest value that fits (0: not even the
+    smallest allowed value)."""
+    table = frame.pivot_table(
+        index=["model_size", "dtype", "strategy"],
+        columns="budget_bytes",
+        values="value",
+        aggfunc="first",
+        sort=False,
+    )
+    return table
+
+
+def with_value(config: TrialConfig, axis: str, value: int) -> TrialConfig:
+    """A trial config at a found value (what the sweep trains for ``batch_size: [max]``)."""
+    if axis == "batch_size":
+        return replace(config, batch_size=value)
+    return replace(config, model_knobs={**config.model_knobs, "seq_len": value})

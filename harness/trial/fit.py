@@ -1,0 +1,253 @@
+"""The largest batch (or sequence length) whose predicted peak fits a memory budget.
+
+``python -m harness.trial.fit IN.json OUT.json`` answers, for each configuration and each
+budget, without a GPU and without allocating anything: it runs the estimator
+(``harness.trial.estimate``: the trial's own step on fake tensors) at a few values of the axis.
+
+Why it takes so few predictions: for a fixed model the predicted peak is affine in the batch
+size (parameters, gradients and optimizer state do not grow with it; activations and inputs
+grow linearly) and, in the sequence length, affine plus a quadratic attention term. So two
+probes (three for ``seq_len``) give the curve, the curve gives the answer for every budget at
+once, and two predictions confirm it: the answer fits, its successor does not. When a
+confirmation fails (rounding, a kernel that changes path with size) the search falls back to
+bisection between the closest values known to fit and not to fit. Every prediction is cached,
+so budgets share what earlier ones learned; each answer says how many predictions it used.
+
+Allowed values respect the strategies: ``ddp:N``, ``fsdp:N`` and ``accumulate:K`` split the
+batch, so only multiples of their product are tried.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.strategies import batch_step
+from harness.trial.config import TrialConfig
+from harness.trial.estimate import estimate_peak
+
+AXES = ("batch_size", "seq_len")
+DEFAULT_MAX = {"batch_size": 4096, "seq_len": 131072}
+
+
+def at_value(config: TrialConfig, axis: str, value: int) -> TrialConfig:
+    """``config`` with the axis set to ``value`` (a sequence length is a model knob)."""
+    if axis == "batch_size":
+        return replace(config, batch_size=value)
+    knobs = {**config.model_knobs, "seq_len": value}
+    options = {key: v for key, v in config.data_options.items() if key != "seq_len"}
+    return replace(config, model_knobs=knobs, data_options=options)
+
+
+def axis_step(config: TrialConfig, axis: str) -> int:
+    return batch_step(config.strategy) if axis == "batch_size" else 1
+
+
+class Curve:
+    """Predictions of one configuration along the axis, cached, counted."""
+
+    def __init__(self, predict: Callable[[int], dict[str, Any]], step: int) -> None:
+        self.predict_at = predict
+        self.step = step
+        self.cache: dict[int, dict[str, Any]] = {}
+        self.reads: set[int] = set()  # the values one answer consulted (its cost alone)
+
+    def __call__(self, value: int) -> dict[str, Any]:
+        self.reads.add(value)
+        if value not in self.cache:
+            self.cache[value] = self.predict_at(value)
+        return self.cache[value]
+
+    def peak(self, value: int) -> float | None:
+        return self(value).get("predicted_peak_bytes")
+
+    def fits(self, value: int, budget: float) -> bool:
+        peak = self.peak(value)
+        return peak is not None and peak <= budget
+
+
+# Where the curve is probed, in allowed steps: past the small-batch regime, where a constant
+# (the optimizer step's temporaries) can still be the peak; three for a parabola (seq_len).
+PROBES = {False: (16, 32), True: (16, 32, 64)}
+
+
+def line_guess(curve: Curve, budget: float, a: int, b: int) -> float:
+    """Where the line through the predictions at ``a`` and ``b`` crosses ``budget``."""
+    pa, pb = curve.peak(a), curve.peak(b)
+    assert pa is not None and pb is not None
+    slope = (pb - pa) / (b - a)
+    return (budget - pa) / slope + a if slope > 0 else math.inf
+
+
+def quadratic_guess(curve: Curve, budget: float, xs: list[int]) -> float:
+    """Where the parabola through three predictions crosses ``budget`` (sequence length:
+    attention's scores grow with its square)."""
+    (x1, x2, x3), (y1, y2, y3) = xs, [curve.peak(x) or 0.0 for x in xs]
+    c = ((y3 - y1) / (x3 - x1) - (y2 - y1) / (x2 - x1)) / (x3 - x2)
+    b = (y2 - y1) / (x2 - x1) - c * (x1 + x2)
+    a = y1 - b * x1 - c * x1 * x1
+    if c <= 0:
+        return (budget - a) / b if b > 0 else math.inf
+    return (-b + math.sqrt(max(b * b - 4 * c * (a - budget), 0.0))) / (2 * c)
+
+
+def first_guess(curve: Curve, budget: float, top: int, probes: list[int]) -> int:
+    """The allowed value the curve through the probes (a line; a parabola through three) says
+    is the last to fit."""
+    if len(probes) >= 3:
+        root = quadratic_guess(curve, budget, probes[:3])
+    elif len(probes) == 2:
+        root = line_guess(curve, budget, probes[0], probes[1])
+    else:
+        root = math.inf  # one probe: the axis' range is one or two steps
+    return clamp(curve, root, curve.step, top)
+
+
+def clamp(curve: Curve, root: float, low: int, high: int) -> int:
+    """``root`` rounded down to an allowed value within ``[low, high]``."""
+    step = curve.step
+    guess = int(root // step) * step if math.isfinite(root) else high
+    return max(low, min(guess, high))
+
+
+def newton_guess(curve: Curve, budget: float, value: int, top: int) -> int:
+    """From a failed guess: the curve's local slope there (its prediction and its successor's)
+    says where the budget is crossed, within what is known to fit and not to fit."""
+    step = curve.step
+    known = sorted(v for v in curve.cache if curve.peak(v) is not None)
+    lo = max(v for v in known if curve.fits(v, budget))
+    over = [v for v in known if v > lo and not curve.fits(v, budget)]
+    hi = min(over) if over else top + step
+    if value + step > top:
+        return clamp(curve, (lo + hi) / 2, lo, hi - step)
+    root = line_guess(curve, budget, value, value + step)
+    guess = clamp(curve, root, lo, hi - step)
+    if guess in curve.cache and guess + step in curve.cache:  # no news: halve the bracket
+        guess = clamp(curve, (lo + hi) / 2, lo, hi - step)
+    return guess
+
+
+def confirmed(curve: Curve, value: int, budget: float, top: int) -> bool:
+    """The value fits and the next allowed one does not (or there is none). Both are always
+    predicted: a failed guess's local slope aims the next one."""
+    fits = curve.fits(value, budget)
+    following = value + curve.step <= top and curve.fits(value + curve.step, budget)
+    return fits and not following
+
+
+def largest_fitting(
+    curve: Curve, budget: float, maximum: int, quadratic: bool = False
+) -> dict[str, Any]:
+    """The largest allowed value whose predicted peak fits ``budget``, and how it was found:
+    ``model`` (the probes' curve, confirmed), ``newton`` (aimed by a failed guess's local
+    slope, confirmed), ``bisection`` (neither held), ``none`` (not even the smallest value
+    fits)."""
+    step = curve.step
+    top = maximum // step * step
+    probes = sorted({min(top, n * step) for n in PROBES[quadratic]})
+    for probe in probes:
+        curve(probe)
+    if not any(curve.fits(probe, budget) for probe in probes) and not curve.fits(step, budget):
+        return {"value": 0, "method": "none"}
+    guess = first_guess(curve, budget, top, probes)
+    for attempt in range(4):
+        if confirmed(curve, guess, budget, top):
+            return {"value": guess, "method": "model" if attempt == 0 else "newton"}
+        guess = newton_guess(curve, budget, guess, top)
+    return {"value": bisect(curve, budget, top), "method": "bisection"}
+
+
+def bisect(curve: Curve, budget: float, top: int) -> int:
+    """Between the largest value known to fit and the smallest known not to (from the cache)."""
+    step = curve.step
+    known = sorted(curve.cache)
+    fitting = [v for v in known if v <= top and curve.fits(v, budget)]
+    over = [v for v in known if v > max(fitting) and not curve.fits(v, budget)]
+    lo = max(fitting)
+    hi = min(over) if over else None
+    if hi is None:
+        if curve.fits(top, budget):
+            return top
+        hi = top
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        mid = min(max(mid, lo + step), hi - step)
+        if curve.fits(mid, budget):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def fit_config(
+    config: TrialConfig,
+    axis: str,
+    budgets: list[int],
+    maximum: int,
+    device: torch.device,
+    as_cuda: bool = False,
+) -> list[dict[str, Any]]:
+    """One row per budget: the answer, the predicted peak and breakdown at it and at the next
+    allowed value, the margin left, how many predictions it took."""
+    curve = Curve(lambda v: estimate_peak(at_value(config, axis, v), device, as_cuda),
+                  axis_step(config, axis))  # fmt: skip
+    first = curve(curve.step)
+    if "predicted_peak_bytes" not in first:  # unpredictable or refused: the same at any value
+        return [{"budget_bytes": b, "value": None, **first, "predictions": 1} for b in budgets]
+    rows = []
+    for budget in budgets:
+        curve.reads = set()
+        answer = largest_fitting(curve, budget, maximum, quadratic=axis == "seq_len")
+        value = answer["value"]
+        row: dict[str, Any] = {"budget_bytes": budget, "value": value, "method": answer["method"]}
+        if value:
+            at = curve(value)
+            row.update({k: v for k, v in at.items() if k.startswith("predicted_")})
+            row["margin_bytes"] = budget - at["predicted_peak_bytes"]
+        # Predictions this answer consulted (shared ones computed once): its cost alone.
+        row["predictions"] = len(curve.reads)
+        nxt = value + curve.step
+        if nxt <= maximum:
+            row["next_value"] = nxt
+            row["next_predicted_peak_bytes"] = curve.peak(nxt)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    """IN: ``{"device", "axis", "budgets": [bytes], "max", "configs": [TrialConfig dicts]}``;
+    OUT: one list of rows (``fit_config``) per config, with its seconds."""
+    request = json.loads(Path(argv[0]).read_text())
+    device = torch.device(request["device"])
+    as_cuda = device.type == "cuda" and not torch.cuda.is_available()
+    if as_cuda:
+        device = torch.device("cpu")
+    axis, budgets = request["axis"], [int(b) for b in request["budgets"]]
+    maximum = int(request.get("max") or DEFAULT_MAX[axis])
+    answers = []
+    configs = request["configs"]
+    for index, data in enumerate(configs, start=1):
+        config = TrialConfig.from_dict(data)
+        started = time.perf_counter()
+        rows = fit_config(config, axis, budgets, maximum, device, as_cuda)
+        seconds = time.perf_counter() - started
+        answers.append({"rows": rows, "seconds": seconds})
+        print(
+            f"fitted {index}/{len(configs)}: {config.model_size} {config.dtype} "
+            f"{config.strategy_text} ({seconds:.1f} s, {len(rows)} budget(s))",
+            flush=True,
+        )
+    Path(argv[1]).write_text(json.dumps(answers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
