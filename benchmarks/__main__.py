@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from benchmarks import allocator, estimator, overhead, scale, search
+from benchmarks import allocator, estimator, fit, overhead, scale, search
 from benchmarks.figures import Figure
 
 SUITES = {
@@ -23,6 +23,7 @@ SUITES = {
     "search": search.run,
     "estimator": estimator.run,
     "allocator": allocator.run,
+    "fit": fit.run,
 }
 
 

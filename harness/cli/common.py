@@ -240,3 +240,14 @@ class OneLineError(click.ClickException):
     """A bad command line said in one line (no usage block), exit code 2."""
 
     exit_code = 2
+
+
+def emit(frame: pd.DataFrame, fmt: str, show_table: Callable[[], None]) -> None:
+    """A predicted table on stdout: every column under its full name as CSV or JSON records,
+    or the command's own readable table (``show_table``)."""
+    if fmt == "csv":
+        click.echo(frame.to_csv(index=False), nl=False)
+    elif fmt == "json":
+        click.echo(frame.to_json(orient="records", indent=1))
+    else:
+        show_table()

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from harness.cli.common import make_console
+from harness.cli.common import emit, make_console
 from harness.spec import SpecError, load_spec
 from harness.units import format_bytes, parse_bytes
 
@@ -97,12 +97,7 @@ def fit(
         frame = fit_grid(spec, target, budgets, axis, maximum)
     except EstimateError as error:
         raise click.ClickException(str(error)) from None
-    if fmt == "csv":
-        click.echo(frame.to_csv(index=False), nl=False)
-    elif fmt == "json":
-        click.echo(frame.to_json(orient="records", indent=1))
-    else:
-        show_fit(frame, spec, budgets, axis, target)
+    emit(frame, fmt, lambda: show_fit(frame, spec, budgets, axis, target))
 
 
 def show_fit(frame: Any, spec: Any, budgets: list[int], axis: str, target: str) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from harness.cli.common import emit
 from harness.spec import load_spec, points
 from harness.units import format_bytes
 
@@ -66,21 +67,20 @@ def estimate(spec_path: Path, fmt: str, device: str) -> None:
     """Predict every grid point's peak memory and breakdown without running (fake tensors)."""
     from harness.spec.schema import local_device
     from harness.sweep.estimate import EstimateError, estimate_grid
+    from harness.sweep.run import max_batch_lines, resolve_max_batch
 
     spec = load_spec(spec_path)
     target = device if device != "auto" else spec.device.split(":")[0]
     if target == "auto":
         target = local_device()
+    spec = resolve_max_batch(spec, target)  # grid.batch_size: max, for this target
+    for line in max_batch_lines(spec):
+        click.echo(line, err=True)
     try:
         frame = estimate_grid(spec, target)
     except EstimateError as error:
         raise click.ClickException(str(error)) from None
-    if fmt == "csv":
-        click.echo(frame.to_csv(index=False), nl=False)
-    elif fmt == "json":
-        click.echo(frame.to_json(orient="records", indent=1))
-    else:
-        show_estimate(frame, spec, target)
+    emit(frame, fmt, lambda: show_estimate(frame, spec, target))
 
 
 # The table's columns (csv/json keep every column under its full name): short headings, bytes

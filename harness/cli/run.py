@@ -104,8 +104,16 @@ def sweep(
         hardware = host_hardware(spec.device)
         console.print(f"hardware: {describe_hardware(hardware)} (part of each trial_key)")
         spec = on_hardware(spec, hardware)
+        from harness.sweep.run import max_batch_lines, resolve_max_batch
+
+        spec = resolve_max_batch(spec)  # as the sweep does: the found batches are in the keys
+        for line in max_batch_lines(spec):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
         for index, point in enumerate(points(spec), start=1):
-            console.print(f"{index:>4}  {trial_config(spec, point).trial_key}  {point}")
+            config = trial_config(spec, point)
+            searched = f"max:{config.batch_size}"  # the found batch, as progress lines show it
+            shown = {**point, "batch_size": searched} if config.batch_size_search else point
+            console.print(f"{index:>4}  {config.trial_key}  {shown}")
         return
     try:
         if workers > 1:

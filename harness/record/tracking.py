@@ -349,6 +349,8 @@ class Tracker:
             "attempts": str(result.attempts),  # > 1: crash/timeout retried
             NOTE_TAG: trial_note(result),
         }
+        if config.batch_size_search:  # grid.batch_size: max, and how the batch was found
+            tags["batch_size_search"] = config.batch_size_search
         if self.commit:
             tags["git_commit"] = self.commit
         run = self.client.create_run(

@@ -8,20 +8,45 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from harness.spec.schema import Spec
-from harness.strategies import STRATEGIES, parse_term
+from harness.spec.schema import MAX_BATCH, Spec
+from harness.strategies import STRATEGIES, batch_step, parse_term
 from harness.trial.config import TrialConfig
 
 
 def points(spec: Spec) -> list[dict[str, Any]]:
-    """Every grid point in grid order, each mapping axis name to value."""
+    """Every grid point in grid order, each mapping axis name to value. Once ``batch_size: max``
+    is resolved, a ``max`` that found a batch the grid also lists is that very trial: once."""
     axes = spec.axes()
-    return [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    every = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    return [
+        point
+        for point in every
+        if not (point["batch_size"] == MAX_BATCH and batch_of(spec, point)[0] in axes["batch_size"])
+    ]
+
+
+def max_batch_key(point: dict[str, Any]) -> tuple[str, str, str]:
+    """What ``batch_size: max`` is resolved for: the point's model size, dtype, strategy."""
+    return (point["model_size"], point["dtype"], point["strategy"])
+
+
+def batch_of(spec: Spec, point: dict[str, Any]) -> tuple[int, str | None]:
+    """The batch a point trains at, and for ``max`` how it was found (``Spec._max_batch``).
+    Unresolved (planning that needs no batch, e.g. the world size) the smallest allowed batch
+    stands in, and says so."""
+    value = point["batch_size"]
+    if value != MAX_BATCH:
+        return int(value), None
+    found = spec._max_batch.get(max_batch_key(point))
+    if found is None:
+        return batch_step(point["strategy"].split("+")), f"{MAX_BATCH}: not resolved"
+    return int(found["batch_size"]), str(found["search"])
 
 
 def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
-    """The trial at one grid point."""
+    """The trial at one grid point (``batch_size: max``: the resolved batch, see ``batch_of``)."""
     size = point["model_size"]
+    batch_size, batch_size_search = batch_of(spec, point)
     spec_dir = str(Path(spec._source).resolve().parent) if spec._source else str(Path.cwd())
     return TrialConfig(
         experiment=spec.experiment,
@@ -30,7 +55,7 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         model_knobs=dict(spec.model.sizes[size]),
         dataset=spec.data.dataset,
         data_options=spec.data.options(),
-        batch_size=int(point["batch_size"]),
+        batch_size=batch_size,
         dtype=point["dtype"],
         strategy=point["strategy"].split("+"),
         optimizer=spec.train.optimizer.model_dump(),
@@ -48,6 +73,7 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         run_infeasible=spec.limits.run_infeasible,
         timeline=spec.measure.timeline,
         allocator_snapshot=spec.measure.allocator_snapshot,
+        batch_size_search=batch_size_search,
     )
 
 
@@ -66,6 +92,16 @@ def on_hardware(spec: Spec, hardware: dict[str, str]) -> Spec:
     copy = spec.model_copy()
     copy._source = spec._source
     copy._hardware = dict(hardware)
+    copy._max_batch = dict(spec._max_batch)
+    return copy
+
+
+def with_max_batch(spec: Spec, found: dict[tuple[str, str, str], dict[str, Any]]) -> Spec:
+    """The spec with ``batch_size: max`` resolved (``found``: see ``Spec._max_batch``)."""
+    copy = spec.model_copy()
+    copy._source = spec._source
+    copy._hardware = dict(spec._hardware) if spec._hardware is not None else None
+    copy._max_batch = dict(found)
     return copy
 
 

@@ -246,8 +246,31 @@ def _no_duplicates(values: list[Any]) -> list[Any]:
     return values
 
 
+# ``grid.batch_size: [max]``: the largest batch whose predicted peak fits ``device_memory``,
+# found by the sweep (``harness.sweep.run.resolve_max_batch``) for each size, dtype, strategy.
+MAX_BATCH = "max"
+
+
+def _batch_entry(value: Any) -> int | str:
+    """A positive integer, or ``max``."""
+    if value == MAX_BATCH:
+        return MAX_BATCH
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = did_you_mean(value, [MAX_BATCH]) if isinstance(value, str) else ""
+        raise ValueError(f"must be a positive integer or {MAX_BATCH} (the largest that fits){hint}")
+    if value <= 0:
+        raise ValueError("must be greater than 0")
+    return value
+
+
 class GridSpec(Strict):
-    batch_size: Annotated[list[PositiveInt], AfterValidator(_no_duplicates)] = Field(min_length=1)
+    batch_size: Annotated[
+        list[Annotated[Any, AfterValidator(_batch_entry)]], AfterValidator(_no_duplicates)
+    ] = Field(min_length=1)
     dtype: Annotated[list[Literal[DTYPES]], AfterValidator(_no_duplicates)] = Field(
         ["fp32"], min_length=1
     )
@@ -391,6 +414,10 @@ class Spec(Strict):
     # Set by the sweep (``harness.trial.hardware.host_hardware``): the device this host resolves
     # ``device`` to and its name, part of every trial's identity. None: not probed (estimates).
     _hardware: dict[str, str] | None = PrivateAttr(None)
+    # Set by the sweep where grid.batch_size lists ``max`` (``resolve_max_batch``): for each
+    # (model size, dtype, strategy) the batch it trains at and how it was found
+    # (``{"batch_size": int, "search": str}``). Empty: not resolved.
+    _max_batch: dict[tuple[str, str, str], dict[str, Any]] = PrivateAttr(default_factory=dict)
 
     @field_validator("name")
     @classmethod
@@ -426,7 +453,9 @@ class Spec(Strict):
                 for t in terms
             ):
                 device = local_device()
-            for dtype, batch_size in itertools.product(self.grid.dtype, self.grid.batch_size):
+            for dtype, batch in itertools.product(self.grid.dtype, self.grid.batch_size):
+                # max becomes a multiple of what the strategies split a batch into
+                batch_size = strategies.batch_step(terms) if batch == MAX_BATCH else batch
                 try:
                     strategies.check_context(terms, dtype, self.model.family, device, batch_size)
                 except ValueError as error:
@@ -437,7 +466,10 @@ class Spec(Strict):
     def batches_fit_the_data(self) -> Spec:
         """A batch larger than a fixed dataset's training split cannot be drawn: say so now,
         not in each trial."""
-        largest = max(self.grid.batch_size)
+        given = [b for b in self.grid.batch_size if b != MAX_BATCH]
+        if not given:
+            return self  # max searches no further than the training split
+        largest = max(given)
         for size, knobs in self.model.sizes.items():
             options = dict(self.data.options())
             resolved = resolve_knobs(self.model.family, knobs)
@@ -455,6 +487,16 @@ class Spec(Strict):
                 ["grid", "batch_size", self.grid.batch_size.index(largest)],
                 f"{largest} is larger than the training split of dataset {self.data.dataset} "
                 f"({samples} {unit} for model size {size}); use at most {samples}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def max_batch_needs_a_budget(self) -> Spec:
+        if MAX_BATCH in self.grid.batch_size and self.device_memory is None:
+            raise FieldProblem(
+                ["grid", "batch_size", self.grid.batch_size.index(MAX_BATCH)],
+                f"{MAX_BATCH} is the largest batch that fits device_memory, which is not set: "
+                "set device_memory (e.g. 16GiB) or list integers",
             )
         return self
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -46,26 +47,32 @@ class EstimateError(Exception):
     """The estimator process failed; the message is its last line."""
 
 
-def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:
-    """One row per grid point, in grid order: the prediction for ``target`` (cpu | cuda),
-    whether it ``fits`` in ``device_memory``, and the closed-form cross-checks."""
-    configs = trial_configs(spec)
+def run_trial_tool(module: str, request: dict[str, Any], what: str) -> Any:
+    """``python -m MODULE IN.json OUT.json`` of the trial layer, in a child process (this one
+    never imports model code): its answer; its progress lines go to our stderr as they come,
+    its failure is ``EstimateError`` with its last line."""
     with tempfile.TemporaryDirectory() as folder:
-        request, answer = Path(folder) / "in.json", Path(folder) / "out.json"
-        request.write_text(
-            json.dumps({"device": target, "configs": [c.to_dict() for c in configs]})
-        )
-        print(f"estimating {len(configs)} trials for {target} ...", file=sys.stderr, flush=True)
-        done = subprocess.run(  # its progress lines go to our stderr, its errors are kept
-            [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
+        given, answer = Path(folder) / "in.json", Path(folder) / "out.json"
+        given.write_text(json.dumps(request))
+        done = subprocess.run(
+            [sys.executable, "-m", module, str(given), str(answer)],
             stdout=sys.stderr,
             stderr=subprocess.PIPE,
             text=True,
         )
         if done.returncode != 0:
             last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
-            raise EstimateError(f"the estimator failed: {last}")
-        frame = pd.DataFrame(json.loads(answer.read_text()))
+            raise EstimateError(f"{what} failed: {last}")
+        return json.loads(answer.read_text())
+
+
+def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:
+    """One row per grid point, in grid order: the prediction for ``target`` (cpu | cuda),
+    whether it ``fits`` in ``device_memory``, and the closed-form cross-checks."""
+    configs = trial_configs(spec)
+    print(f"estimating {len(configs)} trials for {target} ...", file=sys.stderr, flush=True)
+    request = {"device": target, "configs": [c.to_dict() for c in configs]}
+    frame = pd.DataFrame(run_trial_tool("harness.trial.estimate", request, "the estimator"))
     frame["model_size"] = [c.model_size for c in configs]
     frame["batch_size"] = [c.batch_size for c in configs]
     frame["dtype"] = [c.dtype for c in configs]

@@ -9,18 +9,14 @@ and budget; ``matrix`` turns them into configurations × cards.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from harness.spec import Spec, trial_config
-from harness.sweep.estimate import EstimateError
+from harness.sweep.estimate import run_trial_tool
 from harness.trial.config import TrialConfig
 from harness.workloads.sizes import training_samples
 
@@ -65,30 +61,15 @@ def fit_configs(
         groups.setdefault(upper_bound(config, axis, maximum), []).append(index)
     by_index: dict[int, dict[str, Any]] = {}
     for bound, indices in groups.items():
-        with tempfile.TemporaryDirectory() as folder:
-            request, answer = Path(folder) / "in.json", Path(folder) / "out.json"
-            request.write_text(
-                json.dumps(
-                    {
-                        "device": target,
-                        "axis": axis,
-                        "budgets": budgets,
-                        "max": bound,
-                        "configs": [configs[i].to_dict() for i in indices],
-                    }
-                )
-            )
-            done = subprocess.run(  # its progress lines go to our stderr
-                [sys.executable, "-m", "harness.trial.fit", str(request), str(answer)],
-                stdout=sys.stderr,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            if done.returncode != 0:
-                last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
-                raise EstimateError(f"the fit search failed: {last}")
-            for i, found in zip(indices, json.loads(answer.read_text()), strict=True):
-                by_index[i] = found
+        request = {
+            "device": target,
+            "axis": axis,
+            "budgets": budgets,
+            "max": bound,
+            "configs": [configs[i].to_dict() for i in indices],
+        }
+        found = run_trial_tool("harness.trial.fit", request, "the fit search")
+        by_index.update(zip(indices, found, strict=True))
     answers = [by_index[i] for i in range(len(configs))]
     return answers
 

@@ -6,7 +6,9 @@ again, and a trial interrupted by a killed sweep is run anew.
 
 from __future__ import annotations
 
+import itertools
 import json
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,7 +28,10 @@ from rich.progress import (
 from harness.analyse.noise import NOISY_MARK, noise_reason
 from harness.record.stores import redact
 from harness.record.tracking import Tracker
-from harness.spec import Spec, grid_hash, on_hardware, points
+from harness.spec import Spec, SpecError, grid_hash, on_hardware, points, trial_config
+from harness.spec.grid import max_batch_key, with_max_batch
+from harness.spec.schema import MAX_BATCH
+from harness.strategies import batch_step
 from harness.sweep import claim, plan, preflight
 from harness.sweep.launch import launch_trial, start_warm_starter
 from harness.trial.config import TIMELINE_FILE, TIMELINE_PNG, TrialConfig
@@ -43,8 +48,11 @@ class SweepOutcome:
     already_recorded: int
 
 
-def trial_label(point: dict[str, Any]) -> str:
-    return f"{point['model_size']} bs={point['batch_size']} {point['dtype']} {point['strategy']}"
+def trial_label(point: dict[str, Any], config: TrialConfig | None = None) -> str:
+    batch = point["batch_size"]
+    if batch == MAX_BATCH and config is not None:
+        batch = f"{MAX_BATCH}:{config.batch_size}"  # what trains, and that it was searched
+    return f"{point['model_size']} bs={batch} {point['dtype']} {point['strategy']}"
 
 
 def describe(result: TrialResult) -> str:
@@ -127,6 +135,7 @@ def prepare(
     spec = on_hardware(spec, host_hardware(spec.device))
     if runs_trials:
         start_warm_starter()
+    spec = resolve_max_batch(spec)  # before hashing: the found batches are in the trial keys
     results_dir = Path(spec.tracking.results_dir)
     study = plan.open_study(spec, fresh=fresh)
     other_hardware = plan.swept_elsewhere(study, spec)
@@ -164,6 +173,70 @@ def prepare(
             keys = tracker.supersede_trials(parent, statuses)
             retried = plan.free_points(study, spec, keys)
     return SweepState(spec, study, tracker, parent, interrupted, retried, other_hardware)
+
+
+def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
+    """``grid.batch_size: max``: for each model size x dtype x strategy, the largest batch whose
+    predicted peak fits ``device_memory`` (``harness.sweep.fit``: the estimator at a few batch
+    sizes, in a child process), kept on the spec (``Spec._max_batch``) for ``trial_config``.
+
+    ``target`` is the device type predicted for (default: the hardware the spec is tied to,
+    ``on_hardware``). Where not even the smallest allowed batch fits (or the estimator cannot
+    predict) that smallest batch stands in: the trial's own prediction then records it
+    ``infeasible`` (or runs it). A spec without ``max``, or already resolved, is returned as is.
+    """
+    if MAX_BATCH not in spec.grid.batch_size or spec._max_batch:
+        return spec
+    from harness.sweep.estimate import EstimateError
+    from harness.sweep.fit import fit_configs, upper_bound
+
+    target = (target or (spec._hardware or {}).get("device") or spec.device).split(":")[0]
+    budget = int(spec.device_memory or 0)
+    keys = list(itertools.product(spec.model.sizes, spec.grid.dtype, spec.grid.strategy))
+    points_at_step = [  # at the smallest allowed batch; the search sets its own
+        {"model_size": m, "batch_size": batch_step(g.split("+")), "dtype": d, "strategy": g}
+        for m, d, g in keys
+    ]
+    configs = [trial_config(spec, point) for point in points_at_step]
+    print(
+        f"grid.batch_size max: finding the largest batch within {format_bytes(budget)} for "
+        f"{len(configs)} configuration(s), predicted on {target} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        answers = fit_configs(configs, target, [budget], "batch_size", None)
+    except EstimateError as error:
+        raise SpecError(f"{spec._source or '<spec>'}: grid.batch_size: max: {error}") from None
+    found = {}
+    for point, config, answer in zip(points_at_step, configs, answers, strict=True):
+        bound = upper_bound(config, "batch_size", None)
+        found[max_batch_key(point)] = max_batch_entry(
+            answer["rows"][0], config.batch_size, budget, bound
+        )
+    return with_max_batch(spec, found)
+
+
+def max_batch_entry(row: dict[str, Any], step: int, budget: int, bound: int) -> dict[str, Any]:
+    """One configuration's resolved ``max``: the batch it trains at and how it was found (the
+    trial's ``batch_size_search`` tag), e.g. ``max within 16.00 GiB: 142 (model, 4 predictions)``."""
+    within = f"{MAX_BATCH} within {format_bytes(budget)}"
+    value, count = row.get("value"), row.get("predictions")
+    if value is None:  # refused or unpredictable at any batch
+        why = row.get("refused") or row.get("unpredictable") or "no prediction"
+        search = f"{within}: not predicted ({why}); the smallest allowed batch {step}"
+        return {"batch_size": step, "search": search, "method": "not predicted"}
+    if not value:
+        search = f"{within}: none fits, the smallest allowed batch {step} ({count} predictions)"
+        return {"batch_size": step, "search": search, "method": "none"}
+    capped = ", the largest tried" if value + step > bound else ""
+    search = f"{within}: {value} ({row.get('method')}, {count} predictions{capped})"
+    return {
+        "batch_size": int(value),
+        "search": search,
+        "method": row.get("method"),
+        "predicted_peak_bytes": row.get("predicted_peak_bytes"),
+    }
 
 
 def log_spec(tracker: Tracker, parent: str, source: Path) -> None:
@@ -210,6 +283,16 @@ def announce(state: SweepState, console: Console) -> None:
             "(deleted in MLflow, restorable) and they run again in this sweep.",
             soft_wrap=True,
         )
+    for line in max_batch_lines(state.spec):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def max_batch_lines(spec: Spec) -> list[str]:
+    """What ``grid.batch_size: max`` resolved to, one line per configuration."""
+    return [
+        f"{size} {dtype} {strategy}: batch_size {entry['search']}"
+        for (size, dtype, strategy), entry in spec._max_batch.items()
+    ]
 
 
 def work(
@@ -270,7 +353,7 @@ def work(
                 proposals = plan.SearchPlan(study, spec, recorded, total, shuffle)
                 for trial, point, config in proposals:
                     index += 1
-                    label = trial_label(point)
+                    label = trial_label(point, config)
                     progress.update(task, description=f"trial {index}/{total}: {label}")
                     started_ms = int(time.time() * 1000)
                     workdir = experiment_dir / "trials" / config.trial_key

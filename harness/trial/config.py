@@ -14,7 +14,13 @@ from typing import Any
 from harness.strategies import world_size
 from harness.workloads import resolve_knobs
 
-NOT_DEFINING = ("python_path", "run_infeasible", "timeline", "allocator_snapshot")
+NOT_DEFINING = (
+    "python_path",
+    "run_infeasible",
+    "timeline",
+    "allocator_snapshot",
+    "batch_size_search",
+)
 # Fields added after sweeps were first recorded count in the key only when set, so a spec that
 # does not use them keeps its trial keys (and resumes its sweep).
 KEYED_WHEN_SET: dict[str, Any] = {"model_loss": None, "lora": None, "hardware": None}
@@ -62,11 +68,13 @@ class TrialConfig:
     # Not part of the key: where user model code (``module:attr``) is importable from, whether
     # to run a trial even when it is predicted not to fit, whether to record the memory
     # timeline and (CUDA only) the allocator's history: both run in the untimed memory window
-    # and change no measurement.
+    # and change no measurement; for ``grid.batch_size: max``, how ``batch_size`` was found
+    # (the ``batch_size_search`` tag; the batch itself is in the key).
     python_path: list[str] = field(default_factory=list)
     run_infeasible: bool = False
     timeline: bool = True
     allocator_snapshot: bool = False
+    batch_size_search: str | None = None
 
     @property
     def strategy_text(self) -> str:

@@ -181,6 +181,15 @@ def device_note(config: TrialConfig, as_cuda: bool) -> str:
     return choices
 
 
+def prediction_device(name: str) -> tuple[torch.device, bool]:
+    """The device predictions run on for target ``name``, and whether storages are accounted
+    as CUDA allocates them: autograd's engine needs a real CUDA runtime even for fake CUDA
+    tensors, so without a GPU CPU kernels run for a ``cuda`` target."""
+    device = torch.device(name)
+    as_cuda = device.type == "cuda" and not torch.cuda.is_available()
+    return (torch.device("cpu") if as_cuda else device), as_cuda
+
+
 def main(argv: list[str]) -> int:
     """``python -m harness.trial.estimate IN.json OUT.json``: estimate many trials in one process.
 
@@ -192,12 +201,7 @@ def main(argv: list[str]) -> int:
     from pathlib import Path
 
     request = json.loads(Path(argv[0]).read_text())
-    device = torch.device(request["device"])
-    # Autograd's engine needs a real CUDA runtime even for fake CUDA tensors: without a GPU,
-    # CPU kernels run and storages are accounted as CUDA allocates them.
-    as_cuda = device.type == "cuda" and not torch.cuda.is_available()
-    if as_cuda:
-        device = torch.device("cpu")
+    device, as_cuda = prediction_device(request["device"])
     rows = []
     for data in request["configs"]:
         config = TrialConfig.from_dict(data)

@@ -32,7 +32,7 @@ import torch
 
 from harness.strategies import batch_step
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import estimate_peak
+from harness.trial.estimate import estimate_peak, prediction_device
 
 AXES = ("batch_size", "seq_len")
 DEFAULT_MAX = {"batch_size": 4096, "seq_len": 131072}
@@ -73,9 +73,17 @@ class Curve:
         peak = self.peak(value)
         return peak is not None and peak <= budget
 
+    def known_fits(self, value: int, budget: float) -> bool | None:
+        """Whether a cached value fits (None: not predictable), not counted as a read:
+        scanning the cache for a bracket costs this answer nothing (else every answer after
+        the first would count all earlier budgets' predictions as its own)."""
+        peak = self.cache[value].get("predicted_peak_bytes")
+        return None if peak is None else peak <= budget
+
 
 # Where the curve is probed, in allowed steps: past the small-batch regime, where a constant
 # (the optimizer step's temporaries) can still be the peak; three for a parabola (seq_len).
+# The smallest value is predicted only when no probe fits (does anything fit at all?).
 PROBES = {False: (16, 32), True: (16, 32, 64)}
 
 
@@ -122,9 +130,9 @@ def newton_guess(curve: Curve, budget: float, value: int, top: int) -> int:
     """From a failed guess: the curve's local slope there (its prediction and its successor's)
     says where the budget is crossed, within what is known to fit and not to fit."""
     step = curve.step
-    known = sorted(v for v in curve.cache if curve.peak(v) is not None)
-    lo = max(v for v in known if curve.fits(v, budget))
-    over = [v for v in known if v > lo and not curve.fits(v, budget)]
+    known = sorted(v for v in curve.cache if curve.known_fits(v, budget) is not None)
+    lo = max(v for v in known if curve.known_fits(v, budget))
+    over = [v for v in known if v > lo and not curve.known_fits(v, budget)]
     hi = min(over) if over else top + step
     if value + step > top:
         return clamp(curve, (lo + hi) / 2, lo, hi - step)
@@ -151,6 +159,8 @@ def largest_fitting(
     slope, confirmed), ``bisection`` (neither held), ``none`` (not even the smallest value
     fits)."""
     step = curve.step
+    if maximum < step:  # no allowed value within --max (e.g. --max 2 under accumulate:4)
+        return {"value": 0, "method": "none"}
     top = maximum // step * step
     probes = sorted({min(top, n * step) for n in PROBES[quadratic]})
     for probe in probes:
@@ -169,8 +179,8 @@ def bisect(curve: Curve, budget: float, top: int) -> int:
     """Between the largest value known to fit and the smallest known not to (from the cache)."""
     step = curve.step
     known = sorted(curve.cache)
-    fitting = [v for v in known if v <= top and curve.fits(v, budget)]
-    over = [v for v in known if v > max(fitting) and not curve.fits(v, budget)]
+    fitting = [v for v in known if v <= top and curve.known_fits(v, budget)]
+    over = [v for v in known if v > max(fitting) and not curve.known_fits(v, budget)]
     lo = max(fitting)
     hi = min(over) if over else None
     if hi is None:
@@ -226,10 +236,7 @@ def main(argv: list[str]) -> int:
     """IN: ``{"device", "axis", "budgets": [bytes], "max", "configs": [TrialConfig dicts]}``;
     OUT: one list of rows (``fit_config``) per config, with its seconds."""
     request = json.loads(Path(argv[0]).read_text())
-    device = torch.device(request["device"])
-    as_cuda = device.type == "cuda" and not torch.cuda.is_available()
-    if as_cuda:
-        device = torch.device("cpu")
+    device, as_cuda = prediction_device(request["device"])
     axis, budgets = request["axis"], [int(b) for b in request["budgets"]]
     maximum = int(request.get("max") or DEFAULT_MAX[axis])
     answers = []
