@@ -115,6 +115,9 @@ def test_unknown_cores_fall_back_to_the_whole_machine():
 
 
 def test_a_trial_records_what_competed_during_its_timed_window(base_spec):
+    # Enough timed steps that the window outlasts /proc/stat's 10 ms tick on an idle machine
+    # (a shorter window records only the load average: it saw no tick to count).
+    base_spec["measure"]["timed_steps"] = 200
     result = run_trial(trial_configs(parse_spec(base_spec))[0])
     assert result.status == "ok", result.failure_reason
     metrics = result.metrics

@@ -139,7 +139,8 @@ class ContentionMeter:
 
     def metrics(self) -> dict[str, float]:
         """``timing_other_busy_cores``, ``timing_steal_fraction``, ``timing_free_cores``,
-        ``timing_load_avg``: those that could be measured."""
+        ``timing_load_avg``: those that could be measured (a window shorter than /proc/stat's
+        10 ms tick counts no CPU time at all: then only the load average)."""
         out: dict[str, float] = {}
         start, end = self.start, self.end
         if start is not None and end is not None and start.cores and end.cores:
