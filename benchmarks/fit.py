@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks.figures import Figure, at_most
 from harness.spec import load_spec
-from harness.sweep.fit import fit_grid
+from harness.sweep.fit import default_jobs, fit_grid
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -35,7 +35,7 @@ def run(log: Callable[[str], None]) -> list[Figure]:
         spec = load_spec(REPO / path)
         target_device = "cuda" if spec.device.startswith("cuda") else "cpu"
         started = time.perf_counter()
-        frame = fit_grid(spec, target_device, budgets)
+        frame = fit_grid(spec, target_device, budgets, jobs=default_jobs())
         seconds = time.perf_counter() - started
         name = Path(path).stem
         answers = frame["predictions"].dropna().tolist()
@@ -52,6 +52,7 @@ def run(log: Callable[[str], None]) -> list[Figure]:
                 "s",
                 answers=len(frame),
                 device=target_device,
+                processes=default_jobs(),
             )
         )
     median = statistics.median(counts)

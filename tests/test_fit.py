@@ -12,6 +12,7 @@ import copy
 import functools
 import io
 import statistics
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -22,7 +23,7 @@ from harness.spec import parse_spec, trial_configs
 from harness.sweep.fit import upper_bound
 from harness.sweep.launch import launch_trial
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import estimate_peak
+from harness.trial.estimate import Predictor, estimate_peak
 from harness.trial.fit import at_value, axis_step, fit_config
 from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC, run_cli, write_spec
@@ -147,6 +148,29 @@ def test_the_answer_fits_and_the_next_allowed_batch_does_not(name):
     for row in found["rows"]:
         assert row["method"] in ("model", "newton", "bisection"), row
         assert 1 <= row["predictions"] <= 12, row
+
+
+@pytest.mark.parametrize(
+    "strategy", ["lora:4", "qlora:4", ["checkpoint", "accumulate:2"], ["sac", "fsdp:2"]]
+)
+def test_one_built_model_predicts_each_batch_as_a_fresh_estimate_does(strategy):
+    """The search builds a model once and predicts every batch on it (``Predictor``), running
+    one step of a two-step memory window: each of its predictions, taken in any order, equals a
+    fresh estimate at that batch (both window steps) to the byte."""
+    config = case_config("hf-none")
+    knobs = {**config.model_knobs, "num_hidden_layers": 2}
+    terms = [strategy] if isinstance(strategy, str) else strategy
+    config = replace(config, model_knobs=knobs, strategy=terms, memory_steps=2)
+    with Predictor(at_value(config, "batch_size", 4), CPU) as predictor:
+        shared = {batch: predictor.predict(batch) for batch in (8, 4, 12)}
+    with Predictor(at_value(config, "batch_size", 4), CPU, steps_run=1) as predictor:
+        one_step = {batch: predictor.predict(batch) for batch in (12, 4, 8)}
+    for batch, prediction in shared.items():
+        fresh = estimate_peak(at_value(config, "batch_size", batch), CPU)
+        assert "predicted_peak_bytes" in fresh, fresh
+        assert prediction == fresh, (strategy, batch)
+        assert one_step[batch] == fresh, (strategy, batch)  # the fit search's shortcut
+    assert shared[4]["predicted_peak_bytes"] < shared[8]["predicted_peak_bytes"]
 
 
 def test_predictions_per_answer_stay_few():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,13 @@ def cell(row: Any, axis: str) -> str:
     show_default=True,
     help="Predict for this device's allocator (cuda works without a GPU).",
 )
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Search processes at once, each a share of the configurations (default: one per "
+    "CPU core; each holds one fake model, ~1 GB for an 8B one).",
+)
 def fit(
     spec_path: Path,
     budget_text: str | None,
@@ -81,26 +89,31 @@ def fit(
     maximum: int | None,
     fmt: str,
     device: str,
+    jobs: int | None,
 ) -> None:
     """The largest batch (or sequence length) of every configuration that fits each budget,
     predicted on fake tensors: no GPU, nothing allocated."""
     from harness.spec.schema import local_device
     from harness.sweep.estimate import EstimateError
-    from harness.sweep.fit import fit_grid
+    from harness.sweep.fit import default_jobs, fit_grid
 
     spec = load_spec(spec_path)
     budgets = budgets_option(budget_text, spec, spec_path)
     target = device if device != "auto" else spec.device.split(":")[0]
     if target == "auto":
         target = local_device()
+    started = time.perf_counter()
     try:
-        frame = fit_grid(spec, target, budgets, axis, maximum)
+        frame = fit_grid(spec, target, budgets, axis, maximum, jobs or default_jobs())
     except EstimateError as error:
         raise click.ClickException(str(error)) from None
-    emit(frame, fmt, lambda: show_fit(frame, spec, budgets, axis, target))
+    seconds = time.perf_counter() - started
+    emit(frame, fmt, lambda: show_fit(frame, spec, budgets, axis, target, seconds))
 
 
-def show_fit(frame: Any, spec: Any, budgets: list[int], axis: str, target: str) -> None:
+def show_fit(
+    frame: Any, spec: Any, budgets: list[int], axis: str, target: str, seconds: float
+) -> None:
     """The matrix (configurations × cards), then how the answers were found."""
     from rich.table import Table
 
@@ -119,7 +132,6 @@ def show_fit(frame: Any, spec: Any, budgets: list[int], axis: str, target: str) 
     console.print(table)
     answered = frame[frame["value"].fillna(0) > 0]
     counts = frame["predictions"].dropna()
-    seconds = frame.drop_duplicates(["model_size", "dtype", "strategy"])["config_seconds"].sum()
     methods = answered["method"].value_counts().to_dict() if len(answered) else {}
     console.print(
         f"{len(frame)} answers from {int(counts.sum())} predictions "

@@ -7,6 +7,7 @@ code. Its progress lines stream to stderr as it goes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -51,19 +52,38 @@ def run_trial_tool(module: str, request: dict[str, Any], what: str) -> Any:
     """``python -m MODULE IN.json OUT.json`` of the trial layer, in a child process (this one
     never imports model code): its answer; its progress lines go to our stderr as they come,
     its failure is ``EstimateError`` with its last line."""
-    with tempfile.TemporaryDirectory() as folder:
-        given, answer = Path(folder) / "in.json", Path(folder) / "out.json"
-        given.write_text(json.dumps(request))
-        done = subprocess.run(
-            [sys.executable, "-m", module, str(given), str(answer)],
-            stdout=sys.stderr,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        if done.returncode != 0:
-            last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
-            raise EstimateError(f"{what} failed: {last}")
-        return json.loads(answer.read_text())
+    return run_trial_tools(module, [request], what)[0]
+
+
+def run_trial_tools(module: str, requests: list[dict[str, Any]], what: str) -> list[Any]:
+    """``run_trial_tool`` for several requests at once, one child process each (predictions
+    are single-threaded Python: N cores answer N requests in the time of one); the answers
+    in request order."""
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:
+        children = []
+        for index, request in enumerate(requests):
+            given, answer = Path(folder) / f"in{index}.json", Path(folder) / f"out{index}.json"
+            given.write_text(json.dumps(request))
+            errors = files.enter_context((Path(folder) / f"err{index}.txt").open("w+"))
+            child = subprocess.Popen(
+                [sys.executable, "-m", module, str(given), str(answer)],
+                stdout=sys.stderr,
+                stderr=errors,
+                text=True,
+            )
+            children.append((child, answer, errors))
+        try:
+            codes = [child.wait() for child, _, _ in children]
+        except BaseException:  # Ctrl-C: no prediction outlives the command
+            for child, _, _ in children:
+                child.kill()
+            raise
+        for code, (_, _, errors) in zip(codes, children, strict=True):
+            if code != 0:
+                errors.seek(0)
+                lines = errors.read().strip().splitlines()
+                raise EstimateError(f"{what} failed: {lines[-1] if lines else 'no output'}")
+        return [json.loads(answer.read_text()) for _, answer, _ in children]
 
 
 def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:

@@ -9,6 +9,7 @@ and budget; ``matrix`` turns them into configurations × cards.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from harness.spec import Spec, trial_config
-from harness.sweep.estimate import run_trial_tool
+from harness.sweep.estimate import run_trial_tools
 from harness.trial.config import TrialConfig
 from harness.workloads.sizes import training_samples
 
@@ -52,26 +53,39 @@ def upper_bound(config: TrialConfig, axis: str, maximum: int | None) -> int:
 
 
 def fit_configs(
-    configs: list[TrialConfig], target: str, budgets: list[int], axis: str, maximum: int | None
+    configs: list[TrialConfig],
+    target: str,
+    budgets: list[int],
+    axis: str,
+    maximum: int | None,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
-    """The trial layer's answers: per config, its rows (one per budget) and seconds."""
-    answers: list[dict[str, Any]] = []
-    groups: dict[int, list[int]] = {}
-    for index, config in enumerate(configs):
-        groups.setdefault(upper_bound(config, axis, maximum), []).append(index)
-    by_index: dict[int, dict[str, Any]] = {}
-    for bound, indices in groups.items():
-        request = {
+    """The trial layer's answers: per config, its rows (one per budget) and seconds. ``jobs``
+    child processes search at once, each a share of the configurations (every other one, so
+    heavy neighbours such as two QLoRA variants land in different processes)."""
+    jobs = max(1, min(jobs, len(configs)))
+    shares = [list(range(start, len(configs), jobs)) for start in range(jobs)]
+    requests = [
+        {
             "device": target,
             "axis": axis,
             "budgets": budgets,
-            "max": bound,
-            "configs": [configs[i].to_dict() for i in indices],
+            "max": [upper_bound(configs[i], axis, maximum) for i in share],
+            "configs": [configs[i].to_dict() for i in share],
+            "numbers": [i + 1 for i in share],
+            "total": len(configs),
         }
-        found = run_trial_tool("harness.trial.fit", request, "the fit search")
-        by_index.update(zip(indices, found, strict=True))
-    answers = [by_index[i] for i in range(len(configs))]
-    return answers
+        for share in shares
+    ]
+    found = run_trial_tools("harness.trial.fit", requests, "the fit search")
+    by_index = {i: answer for share, part in zip(shares, found, strict=True)
+                for i, answer in zip(share, part, strict=True)}  # fmt: skip
+    return [by_index[i] for i in range(len(configs))]
+
+
+def default_jobs() -> int:
+    """One search process per core: a prediction is single-threaded Python."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def fit_grid(
@@ -80,19 +94,20 @@ def fit_grid(
     budgets: list[int],
     axis: str = "batch_size",
     maximum: int | None = None,
+    jobs: int = 1,
 ) -> pd.DataFrame:
     """One row per configuration and budget: the largest ``axis`` value that fits, the
     predicted peak and breakdown there, the margin, the next value's peak, the predictions."""
     configs = configurations(spec)
     print(
         f"fitting {axis} for {len(configs)} configuration(s) x {len(budgets)} budget(s) "
-        f"on {target} ...",
+        f"on {target} in {min(jobs, len(configs))} process(es) ...",
         file=sys.stderr,
         flush=True,
     )
     rows = []
     for config, found in zip(
-        configs, fit_configs(configs, target, budgets, axis, maximum), strict=True
+        configs, fit_configs(configs, target, budgets, axis, maximum, jobs), strict=True
     ):
         for row in found["rows"]:
             rows.append(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,10 +33,9 @@ from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
 from harness.trial.fake import ValuesReadAsOne, fake_process_group, libraries_run_eagerly
-from harness.trial.setup import build_setup
+from harness.trial.setup import Setup, build_setup
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
-from harness.workloads.tensors import Batch
 
 UNPREDICTABLE = {"adam8bit": "its step is compiled code, which cannot run on fake tensors"}
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
@@ -49,65 +49,144 @@ def estimate_peak(
     model (the trial would end before training with the same message).
 
     ``as_cuda``: run on ``device``'s kernels (the CPU) but account storages as CUDA allocates
-    them, for a CUDA target predicted on a machine without a GPU. A multi-rank trial is predicted for rank 0, which holds the largest slice of each batch;
-    every rank computes the same prediction, so all take the same feasibility decision.
+    them, for a CUDA target predicted on a machine without a GPU. A multi-rank trial is
+    predicted for rank 0, which holds the largest slice of each batch; every rank computes the
+    same prediction, so all take the same feasibility decision.
     """
-    names = {parse_term(term)[0] for term in config.strategy}
-    for name in sorted(names & UNPREDICTABLE.keys()):
-        return {"unpredictable": f"{name}: {UNPREDICTABLE[name]}"}
-    ranks = Ranks(rank=0, size=config.world_size, launched=needs_process_group(config.strategy))
-    try:
-        # Real tensors: user data is loaded (and a tokenizer read) to learn the batch's shape.
-        info = describe_dataset(
-            config.dataset, config.dataset_options, config.python_path, config.seed
-        )
-        with (
-            cuda_accounting() if as_cuda else contextlib.nullcontext(),
-            fake_process_group(ranks),
-            FakeTensorMode(allow_non_fake_inputs=True),
-            ValuesReadAsOne(),
-            contextlib.ExitStack() as stack,
-        ):
-            setup = build_setup(config, device, ranks, info, None)
+    with Predictor(config, device, as_cuda) as predictor:
+        return predictor.predict(config.batch_size)
+
+
+class Predictor:
+    """One configuration built once on fake tensors, then predicted at any batch size.
+
+    Building a model and its first optimizer step are most of a prediction's cost (an 8B
+    QLoRA model: ~60 s to quantize its fake base, then ~20 s a step on 2 cores), and neither
+    depends on the batch: parameters, gradients and optimizer state have the same shapes at
+    every batch size, and the step leaves nothing batch-sized alive. So the model is built
+    and warmed up once (at ``config``'s batch size), and each ``predict(b)`` runs only the
+    memory window's steps at ``b``: the same steps, on the same state, as a fresh estimate at
+    ``b`` (tests hold the two equal to the byte). A step that fails leaves the state unknown,
+    so the next ``predict`` builds afresh.
+
+    ``steps_run=1`` (the fit search) runs one of the memory window's steps, with all of its
+    batches staged: after the warm-up every step starts from the same state and allocates the
+    same, so the peak of one is the peak of all (tests hold it equal to a full window).
+    """
+
+    def __init__(
+        self,
+        config: TrialConfig,
+        device: torch.device,
+        as_cuda: bool = False,
+        steps_run: int | None = None,
+    ) -> None:
+        self.config, self.device, self.as_cuda = config, device, as_cuda
+        self.steps_run = steps_run
+        self.stack: contextlib.ExitStack | None = None
+        self.setup: Setup | None = None
+        self.failure: dict[str, Any] | None = None  # why no batch size can be predicted
+
+    def __enter__(self) -> Predictor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+        self.stack, self.setup = None, None
+
+    def build(self) -> None:
+        """Enter the fake world, build the model, take the warm-up step."""
+        config = self.config
+        names = {parse_term(term)[0] for term in config.strategy}
+        for name in sorted(names & UNPREDICTABLE.keys()):
+            self.failure = {"unpredictable": f"{name}: {UNPREDICTABLE[name]}"}
+            return
+        ranks = Ranks(rank=0, size=config.world_size, launched=needs_process_group(config.strategy))
+        stack = contextlib.ExitStack()
+        try:
+            # Real tensors: user data is loaded (and a tokenizer read) to learn the batch's shape.
+            self.info = describe_dataset(
+                config.dataset, config.dataset_options, config.python_path, config.seed
+            )
+            if self.as_cuda:
+                stack.enter_context(cuda_accounting())
+            stack.enter_context(fake_process_group(ranks))
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(ValuesReadAsOne())
+            setup = build_setup(config, self.device, ranks, self.info, None)
             stack.enter_context(libraries_run_eagerly())  # now that the model's code is loaded
+            # One warm-up step: the optimizer state now exists.
+            setup.train_step(setup.to_device(self.info.example_batch(config.batch_size)))
+        except StrategyError as error:  # the trial cannot run either: it ends before training
+            stack.close()
+            self.failure = {"refused": str(error)}
+            return
+        except Exception as error:  # data-dependent code cannot run on fake tensors
+            stack.close()
+            self.failure = {"unpredictable": one_line(error)}
+            return
+        self.stack, self.setup = stack, setup
 
-            def batch() -> Batch:
-                return setup.to_device(info.example_batch(config.batch_size))
+    def predict(self, batch_size: int) -> dict[str, Any]:
+        """The prediction at ``batch_size`` (see ``estimate_peak``)."""
+        if self.setup is None and self.failure is None:
+            self.build()
+        if self.failure is not None:
+            return dict(self.failure)
+        assert self.setup is not None
+        config = replace(self.config, batch_size=batch_size)
+        setup = replace(
+            self.setup,
+            config=config,
+            samples_per_step=batch_size // self.setup.ranks.size * self.info.tokens_per_sample,
+        )
+        try:
+            prediction = self.window(setup, config)
+        except Exception as error:  # this batch's step failed: its state is not to be reused
+            self.close()
+            return {"unpredictable": one_line(error)}
+        return prediction
 
-            setup.train_step(batch())  # one warm-up step: the optimizer state now exists
-            staged = [batch() for _ in range(config.memory_steps)]
-            window = MemoryWindow(
-                device,
-                setup.model,
-                setup.optimizer,
-                [t for staged_batch in staged for t in staged_batch.values()],
-                allocator_counters=False,
-            )
-            with window:
-                for staged_batch in staged:
-                    setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
-            # This rank's parameters (frozen ones too) + a gradient for each trainable one +
-            # the optimizer's persistent state.
-            parameters = list(setup.model.parameters())
-            model_state = (
-                storage_bytes(parameters)
-                + storage_bytes(p for p in parameters if p.requires_grad)
-                + optimizer_state_bytes(setup.optimizer)
-            )
-            nf4_params = sum(p.numel() for p in parameters if is_nf4(p))
-    except StrategyError as error:  # the trial cannot run either: it ends before training
-        return {"refused": str(error)}
-    except Exception as error:  # data-dependent code cannot run on fake tensors
-        return {"unpredictable": f"{type(error).__name__}: {error}".splitlines()[0][:200]}
-    assert window.reading is not None
-    reading = window.reading.metrics()
-    prediction = {"predicted_peak_bytes": reading.pop("peak_allocated_bytes")}
-    prediction.update({f"predicted_{key}": value for key, value in reading.items()})
-    prediction["num_params"] = float(setup.num_params)
-    prediction["num_params_total"] = float(setup.num_params_total)
-    prediction["num_params_nf4"] = float(nf4_params)
-    prediction["predicted_model_state_bytes"] = model_state
-    return prediction
+    def window(self, setup: Setup, config: TrialConfig) -> dict[str, Any]:
+        staged = [
+            setup.to_device(self.info.example_batch(config.batch_size))
+            for _ in range(config.memory_steps)
+        ]
+        window = MemoryWindow(
+            self.device,
+            setup.model,
+            setup.optimizer,
+            [t for staged_batch in staged for t in staged_batch.values()],
+            allocator_counters=False,
+        )
+        with window:
+            for staged_batch in staged[: self.steps_run]:
+                setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
+        # This rank's parameters (frozen ones too) + a gradient for each trainable one + the
+        # optimizer's persistent state.
+        parameters = list(setup.model.parameters())
+        model_state = (
+            storage_bytes(parameters)
+            + storage_bytes(p for p in parameters if p.requires_grad)
+            + optimizer_state_bytes(setup.optimizer)
+        )
+        assert window.reading is not None
+        reading = window.reading.metrics()
+        prediction = {"predicted_peak_bytes": reading.pop("peak_allocated_bytes")}
+        prediction.update({f"predicted_{key}": value for key, value in reading.items()})
+        prediction["num_params"] = float(setup.num_params)
+        prediction["num_params_total"] = float(setup.num_params_total)
+        prediction["num_params_nf4"] = float(sum(p.numel() for p in parameters if is_nf4(p)))
+        prediction["predicted_model_state_bytes"] = model_state
+        return prediction
+
+
+def one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:200]
 
 
 def available_host_bytes() -> int | None:
@@ -190,39 +269,30 @@ def prediction_device(name: str) -> tuple[torch.device, bool]:
     return (torch.device("cpu") if as_cuda else device), as_cuda
 
 
-def main(argv: list[str]) -> int:
-    """``python -m harness.trial.estimate IN.json OUT.json``: estimate many trials in one process.
-
-    IN holds ``{"device": "cpu"|"cuda", "configs": [TrialConfig dicts]}``; OUT gets one row per
-    config: the prediction (or why there is none) and the closed-form cross-checks.
-    """
-    import json
-    import time
-    from pathlib import Path
-
-    request = json.loads(Path(argv[0]).read_text())
-    device, as_cuda = prediction_device(request["device"])
-    rows = []
-    for data in request["configs"]:
-        config = TrialConfig.from_dict(data)
-        started = time.perf_counter()
-        prediction = estimate_peak(config, device, as_cuda)
-        row = {"trial_key": config.trial_key, **prediction, "note": device_note(config, as_cuda)}
-        if "num_params" in prediction:
-            row.update(closed_form(config, prediction))
-        row["estimate_seconds"] = time.perf_counter() - started
-        rows.append(row)
-        print(
-            f"estimated {len(rows)}/{len(request['configs'])}: {config.model_size} "
-            f"batch {config.batch_size} {config.dtype} {config.strategy_text} "
-            f"({row['estimate_seconds']:.1f} s)",
-            flush=True,
-        )
-    Path(argv[1]).write_text(json.dumps(rows))
-    return 0
+def estimate_row(
+    config: TrialConfig, index: int, device: torch.device, as_cuda: bool
+) -> dict[str, Any]:
+    """One row of ``python -m harness.trial.estimate``: the prediction (or why there is none)
+    and the closed-form cross-checks."""
+    prediction = estimate_peak(config, device, as_cuda)
+    row = {"trial_key": config.trial_key, **prediction, "note": device_note(config, as_cuda)}
+    if "num_params" in prediction:
+        row.update(closed_form(config, prediction))
+    return row
 
 
 if __name__ == "__main__":
     import sys
 
-    sys.exit(main(sys.argv[1:]))
+    from harness.trial.tool import serve
+
+    # IN: {"device": "cpu"|"cuda", "configs": [TrialConfig dicts]}; OUT: one row per config.
+    sys.exit(
+        serve(
+            sys.argv[1:],
+            estimate_row,
+            "estimated",
+            "estimate_seconds",
+            "batch {config.batch_size} ",
+        )
+    )

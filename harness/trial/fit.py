@@ -19,10 +19,11 @@ batch, so only multiples of their product are tried.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +33,8 @@ import torch
 
 from harness.strategies import batch_step
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import estimate_peak, prediction_device
+from harness.trial.estimate import Predictor, estimate_peak
+from harness.trial.tool import serve
 
 AXES = ("batch_size", "seq_len")
 DEFAULT_MAX = {"batch_size": 4096, "seq_len": 131072}
@@ -207,15 +209,29 @@ def fit_config(
 ) -> list[dict[str, Any]]:
     """One row per budget: the answer, the predicted peak and breakdown at it and at the next
     allowed value, the margin left, how many predictions it took."""
-    curve = Curve(lambda v: estimate_peak(at_value(config, axis, v), device, as_cuda),
-                  axis_step(config, axis))  # fmt: skip
+    step = axis_step(config, axis)
+    with contextlib.ExitStack() as stack:
+        if axis == "batch_size":  # one model, built once, predicted at every batch size
+            predictor = stack.enter_context(
+                Predictor(at_value(config, axis, step), device, as_cuda, steps_run=1)
+            )
+            curve = Curve(predictor.predict, step)
+        else:  # the sequence length shapes the model: each value builds its own
+            curve = Curve(lambda v: estimate_peak(at_value(config, axis, v), device, as_cuda), step)
+        return answers(curve, budgets, maximum, quadratic=axis == "seq_len")
+
+
+def answers(
+    curve: Curve, budgets: list[int], maximum: int, quadratic: bool
+) -> list[dict[str, Any]]:
+    """``fit_config``'s rows, from its curve."""
     first = curve(curve.step)
     if "predicted_peak_bytes" not in first:  # unpredictable or refused: the same at any value
         return [{"budget_bytes": b, "value": None, **first, "predictions": 1} for b in budgets]
     rows = []
     for budget in budgets:
         curve.reads = set()
-        answer = largest_fitting(curve, budget, maximum, quadratic=axis == "seq_len")
+        answer = largest_fitting(curve, budget, maximum, quadratic)
         value = answer["value"]
         row: dict[str, Any] = {"budget_bytes": budget, "value": value, "method": answer["method"]}
         if value:
@@ -232,28 +248,23 @@ def fit_config(
     return rows
 
 
+def fit_answer(
+    config: TrialConfig, index: int, device: torch.device, as_cuda: bool, request: dict[str, Any]
+) -> dict[str, Any]:
+    """One config's answer: ``{"rows": fit_config's rows}``."""
+    maxima = request.get("max") or [DEFAULT_MAX[request["axis"]]] * len(request["configs"])
+    budgets = [int(b) for b in request["budgets"]]
+    return {
+        "rows": fit_config(config, request["axis"], budgets, int(maxima[index]), device, as_cuda)
+    }
+
+
 def main(argv: list[str]) -> int:
-    """IN: ``{"device", "axis", "budgets": [bytes], "max", "configs": [TrialConfig dicts]}``;
-    OUT: one list of rows (``fit_config``) per config, with its seconds."""
+    """IN: ``{"device", "axis", "budgets": [bytes], "max": [one per config], "configs":
+    [TrialConfig dicts], "numbers", "total"}`` (``harness.trial.tool``); OUT: per config its
+    rows (``fit_config``) and seconds."""
     request = json.loads(Path(argv[0]).read_text())
-    device, as_cuda = prediction_device(request["device"])
-    axis, budgets = request["axis"], [int(b) for b in request["budgets"]]
-    maximum = int(request.get("max") or DEFAULT_MAX[axis])
-    answers = []
-    configs = request["configs"]
-    for index, data in enumerate(configs, start=1):
-        config = TrialConfig.from_dict(data)
-        started = time.perf_counter()
-        rows = fit_config(config, axis, budgets, maximum, device, as_cuda)
-        seconds = time.perf_counter() - started
-        answers.append({"rows": rows, "seconds": seconds})
-        print(
-            f"fitted {index}/{len(configs)}: {config.model_size} {config.dtype} "
-            f"{config.strategy_text} ({seconds:.1f} s, {len(rows)} budget(s))",
-            flush=True,
-        )
-    Path(argv[1]).write_text(json.dumps(answers))
-    return 0
+    return serve(argv, functools.partial(fit_answer, request=request), "fitted", "seconds")
 
 
 if __name__ == "__main__":
