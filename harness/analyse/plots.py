@@ -13,6 +13,7 @@ per reason, never at zero on the objective's axis.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,51 @@ def _panel_title(y: Objective) -> str:
     return f"memory vs {y.metric} ({'higher' if y.maximise else 'lower'} is better)"
 
 
+@dataclass(frozen=True)
+class ParetoLayout:
+    """What both Pareto pictures (PNG and HTML) are drawn from: the panels (one per
+    projection), the memory axis, and the trials that did not fit, placed by their memory in
+    a strip of their own (``kinds``: oom, over budget, infeasible, ...)."""
+
+    x: Objective
+    panels: list[Objective]
+    mem: MemoryAxis
+    out: pd.DataFrame  # the trials that are not feasible
+    placed: pd.DataFrame  # those of them with a memory to place them at
+    kinds: list[str]
+
+    @property
+    def strip(self) -> bool:
+        return bool(self.kinds)
+
+    def of_kind(self, kind: str) -> pd.DataFrame:
+        return self.placed[[not_feasible_kind(r) == kind for _, r in self.placed.iterrows()]]
+
+
+def pareto_layout(frame: pd.DataFrame, analysis: ParetoAnalysis) -> ParetoLayout:
+    out = frame[~analysis.feasible]
+    out_memory = infeasible_memory(out)
+    placed = out[np.isfinite(out_memory) & (out_memory > 0)]
+    return ParetoLayout(
+        x=Objective(MEMORY, "minimize"),
+        panels=projections(analysis) or [Objective("throughput", "maximize")],
+        mem=memory_axis(frame, analysis),
+        out=out,
+        placed=placed,
+        kinds=sorted({not_feasible_kind(row) for _, row in placed.iterrows()}),
+    )
+
+
+def feasible_groups(
+    frame: pd.DataFrame, analysis: ParetoAnalysis, y: Objective
+) -> Iterator[tuple[str, str, pd.DataFrame]]:
+    """Each group's name, colour and feasible trials that have ``y`` (one front each)."""
+    for index, (name, members) in enumerate(groups_of(frame, analysis)):
+        usable = members[analysis.feasible.loc[members.index]]
+        if not usable.empty and y.metric in usable:
+            yield name, group_colour(index), usable
+
+
 def pareto_matplotlib(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> Any:
     """The matplotlib figure of ``pareto_png`` (for tests and notebooks): one panel per
     projection, a strip under each for the trials that did not fit, a legend to the right."""
@@ -168,15 +214,8 @@ def pareto_matplotlib(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str)
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-    x = Objective(MEMORY, "minimize")
-    panels = projections(analysis) or [Objective("throughput", "maximize")]
-    feasible = analysis.feasible
-    out = frame[~feasible]
-    out_memory = infeasible_memory(out)
-    placed = out[np.isfinite(out_memory) & (out_memory > 0)]
-    kinds = sorted({not_feasible_kind(row) for _, row in placed.iterrows()})
-    mem = memory_axis(frame, analysis)
-    strip = bool(kinds)
+    layout = pareto_layout(frame, analysis)
+    x, panels, mem, strip, kinds = layout.x, layout.panels, layout.mem, layout.strip, layout.kinds
     figure = plt.figure(
         figsize=(6.0 * len(panels) + 2.6, 5.6 if strip else 5.0), layout="constrained"
     )
@@ -187,11 +226,7 @@ def pareto_matplotlib(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str)
     for column, y in enumerate(panels):
         axis = figure.add_subplot(grid[0, column])
         axes = [axis]
-        for index, (name, members) in enumerate(groups_of(frame, analysis)):
-            usable = members[feasible.loc[members.index]]
-            if usable.empty or y.metric not in usable:
-                continue
-            colour = group_colour(index)
+        for name, colour, usable in feasible_groups(frame, analysis, y):
             handles[name] = axis.scatter(
                 usable[x.metric], usable[y.metric], color=colour, s=22, alpha=0.7
             )
@@ -213,7 +248,7 @@ def pareto_matplotlib(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str)
             axes.append(band)
             axis.tick_params(labelbottom=False)
             for kind in kinds:
-                rows = placed[[not_feasible_kind(r) == kind for _, r in placed.iterrows()]]
+                rows = layout.of_kind(kind)
                 marker, _ = not_feasible_marker(kind)
                 handles[f"not feasible: {kind}"] = band.scatter(
                     infeasible_memory(rows), [kinds.index(kind)] * len(rows),
@@ -239,7 +274,7 @@ def pareto_matplotlib(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str)
     figure.legend(
         list(handles.values()), list(handles), loc="outside right upper", fontsize=8, frameon=False
     )
-    figure.suptitle("\n".join([title, *title_notes(mem, out, placed)]))
+    figure.suptitle("\n".join([title, *title_notes(mem, layout.out, layout.placed)]))
     return figure
 
 
@@ -278,15 +313,8 @@ def pareto_figure(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> 
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    x = Objective(MEMORY, "minimize")
-    panels = projections(analysis) or [Objective("throughput", "maximize")]
-    feasible = analysis.feasible
-    out = frame[~feasible]
-    out_memory = infeasible_memory(out)
-    placed = out[np.isfinite(out_memory) & (out_memory > 0)]
-    kinds = sorted({not_feasible_kind(row) for _, row in placed.iterrows()})
-    mem = memory_axis(frame, analysis)
-    strip = bool(kinds)
+    layout = pareto_layout(frame, analysis)
+    x, panels, mem, strip, kinds = layout.x, layout.panels, layout.mem, layout.strip, layout.kinds
     figure = make_subplots(
         rows=2 if strip else 1,
         cols=len(panels),
@@ -297,11 +325,7 @@ def pareto_figure(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> 
     )
     hover = hover_text(frame)
     for column, y in enumerate(panels, start=1):
-        for index, (name, members) in enumerate(groups_of(frame, analysis)):
-            usable = members[feasible.loc[members.index]]
-            if usable.empty or y.metric not in usable:
-                continue
-            colour = group_colour(index)
+        for name, colour, usable in feasible_groups(frame, analysis, y):
             figure.add_trace(
                 go.Scatter(
                     x=usable[x.metric], y=usable[y.metric], mode="markers", name=name,
@@ -322,7 +346,7 @@ def pareto_figure(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> 
                 row=1, col=column,
             )  # fmt: skip
         for kind in kinds:
-            rows = placed[[not_feasible_kind(r) == kind for _, r in placed.iterrows()]]
+            rows = layout.of_kind(kind)
             _, symbol = not_feasible_marker(kind)
             figure.add_trace(
                 go.Scatter(
@@ -360,7 +384,7 @@ def pareto_figure(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> 
                 title_text="not feasible", categoryorder="array", categoryarray=kinds,
                 row=2, col=column,
             )  # fmt: skip
-    notes = title_notes(mem, out, placed)
+    notes = title_notes(mem, layout.out, layout.placed)
     heading = title + "".join(f"<br><sup>{n}</sup>" for n in notes)
     figure.update_layout(
         title=heading, height=(560 if strip else 520) + 20 * len(notes),
