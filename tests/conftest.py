@@ -1,12 +1,15 @@
-"""Shared helpers: a valid spec to mutate, and the ``harness`` CLI run as a user runs it."""
+"""Shared helpers: a valid spec to mutate, the ``harness`` CLI run as a user runs it, and a
+headless browser."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +56,29 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
 
 def copy_fixture(name: str, folder: Path) -> Path:
     return Path(shutil.copy(FIXTURES / name, folder / name))
+
+
+@contextlib.contextmanager
+def headless_chromium(window: str, console_log: bool = False) -> Iterator[Any]:
+    """Debian's Chromium under Selenium, closed afterwards; skipped where it is not installed
+    (``make browser`` installs it), a failure in CI, which must have it."""
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        if os.environ.get("CI"):
+            pytest.fail("CI must have chromium + chromedriver (make browser installs them)")
+        pytest.skip("chromium / chromedriver not installed (make browser installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                     f"--window-size={window}"):  # fmt: skip
+        options.add_argument(argument)
+    if console_log:
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    browser = webdriver.Chrome(options=options, service=Service(driver_path))
+    try:
+        yield browser
+    finally:
+        browser.quit()

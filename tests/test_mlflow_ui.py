@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +34,7 @@ from harness.record.tracking import (
 )
 from harness.spec import parse_spec, trial_configs
 from harness.trial.result import Status, TrialResult
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, headless_chromium, run_cli, write_spec
 from tests.test_tracking import record, store  # noqa: F401  (store: a fixture)
 from tests.test_workers import free_port
 
@@ -111,13 +110,6 @@ def stop(server: subprocess.Popen[bytes]) -> None:
 @pytest.mark.slow
 def test_the_printed_url_opens_the_trials_in_headless_chromium(tmp_path):
     """As a user would: sweep, `make ui`, open the URL the summary printed in Chromium."""
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_path):
-        if os.environ.get("CI"):
-            pytest.fail("CI must have chromium + chromedriver (make browser installs them)")
-        pytest.skip("chromium / chromedriver not installed (make browser installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -125,7 +117,7 @@ def test_the_printed_url_opens_the_trials_in_headless_chromium(tmp_path):
     prepare_store(f"sqlite:///{tmp_path}/results/mlflow.db", initialise_mlflow_store)
     port = free_port()
     server = start_mlflow_ui(tmp_path, port)
-    browser = None
+    stack = contextlib.ExitStack()
     try:
         spec = {**BASE_SPEC, "name": "ui"}
         spec["train"] = {**BASE_SPEC["train"], "budget": {"steps": 6}}
@@ -139,12 +131,7 @@ def test_the_printed_url_opens_the_trials_in_headless_chromium(tmp_path):
         url = runs_url(experiment.experiment_id, f"http://127.0.0.1:{port}")
         wait_for_port(port, 90)
 
-        options = webdriver.ChromeOptions()
-        options.binary_location = chromium
-        for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                         "--window-size=1920,1000"):  # fmt: skip
-            options.add_argument(argument)
-        browser = webdriver.Chrome(options=options, service=Service(driver_path))
+        browser = stack.enter_context(headless_chromium("1920,1000"))
         browser.get(url)
         trial = "tiny bs=32 fp32 none"  # the run name: the trial's label
 
@@ -164,6 +151,5 @@ def test_the_printed_url_opens_the_trials_in_headless_chromium(tmp_path):
         assert "samples/s" in text and "sweep ui" not in text, text
         assert "Observability" not in browser.find_element(By.TAG_NAME, "body").text  # GenAI's
     finally:
-        if browser is not None:
-            browser.quit()
+        stack.close()
         stop(server)

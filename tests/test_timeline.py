@@ -6,16 +6,14 @@ from __future__ import annotations
 import functools
 import http.server
 import json
-import os
 import re
-import shutil
 import threading
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from harness.results import load
-from tests.conftest import run_cli, write_spec
+from tests.conftest import headless_chromium, run_cli, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -97,13 +95,6 @@ def test_timeline_of_an_unknown_trial_is_one_clear_line(swept):
 
 def test_the_report_renders_in_headless_chromium(swept, tmp_path):
     """Served on 127.0.0.1, opened by Debian's Chromium: plots drawn, no console errors."""
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_path):
-        if os.environ.get("CI"):
-            pytest.fail("CI must have chromium + chromedriver (make browser installs them)")
-        pytest.skip("chromium / chromedriver not installed (make browser installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -119,28 +110,21 @@ def test_the_report_renders_in_headless_chromium(swept, tmp_path):
     handler = functools.partial(Quiet, directory=str(page.parent))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                     "--window-size=1400,2400"):  # fmt: skip
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    browser = webdriver.Chrome(options=options, service=Service(driver_path))
     try:
-        browser.get(f"http://127.0.0.1:{server.server_address[1]}/report.html")
-        plots = ["#pareto", "#breakdown", "#timeline-0"]
-        WebDriverWait(browser, 60).until(
-            lambda b: all(b.find_elements(By.CSS_SELECTOR, f"{p} .main-svg") for p in plots)
-        )
-        traces = browser.find_elements(By.CSS_SELECTOR, "#timeline-0 .scatterlayer .trace")
-        assert len(traces) == 5  # one stacked area per category
-        screenshot = tmp_path / "report.png"  # kept with the test's files for a look
-        assert browser.save_screenshot(str(screenshot))
-        assert screenshot.stat().st_size > 20_000
-        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-        assert not errors, errors
+        with headless_chromium("1400,2400", console_log=True) as browser:
+            browser.get(f"http://127.0.0.1:{server.server_address[1]}/report.html")
+            plots = ["#pareto", "#breakdown", "#timeline-0"]
+            WebDriverWait(browser, 60).until(
+                lambda b: all(b.find_elements(By.CSS_SELECTOR, f"{p} .main-svg") for p in plots)
+            )
+            traces = browser.find_elements(By.CSS_SELECTOR, "#timeline-0 .scatterlayer .trace")
+            assert len(traces) == 5  # one stacked area per category
+            screenshot = tmp_path / "report.png"  # kept with the test's files for a look
+            assert browser.save_screenshot(str(screenshot))
+            assert screenshot.stat().st_size > 20_000
+            errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+            assert not errors, errors
     finally:
-        browser.quit()
         server.shutdown()
 
 
@@ -190,26 +174,13 @@ def test_timeline_png_and_html_share_colours_units_and_the_peak(swept, tmp_path)
 def test_the_report_in_chromium_opens_with_the_recommendation_in_units(swept, tmp_path):
     """The page as a reader sees it: the answer first, sizes and rates with units, every trial
     a link to its MLflow run."""
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_path):
-        if os.environ.get("CI"):
-            pytest.fail("CI must have chromium + chromedriver (make browser installs them)")
-        pytest.skip("chromium / chromedriver not installed (make browser installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     folder, uri, frame = swept
     page = tmp_path / "answer" / "report.html"
     done = run_cli("report", "--tracking-uri", uri, "--out", str(page), cwd=folder)
     assert done.returncode == 0, done.stderr
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                     "--window-size=1400,2400"):  # fmt: skip
-        options.add_argument(argument)
-    browser = webdriver.Chrome(options=options, service=Service(driver_path))
-    try:
+    with headless_chromium("1400,2400") as browser:
         browser.get(page.as_uri())
         text = browser.find_element(By.TAG_NAME, "body").text
         headings = [h.text for h in browser.find_elements(By.TAG_NAME, "h2")]
@@ -230,5 +201,3 @@ def test_the_report_in_chromium_opens_with_the_recommendation_in_units(swept, tm
             assert any(h.startswith("http://127.0.0.1:5000/#/experiments/") and h.endswith(
                 f"/runs/{run_id}") for h in links), run_id  # fmt: skip
         assert browser.save_screenshot(str(tmp_path / "answer.png"))
-    finally:
-        browser.quit()
