@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PINS)
-	$(BIN)/python -m pip install --quiet -e '.[dev,models]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,models,slurm,ray]'
 	touch $(STAMP)
 
 sweep: $(STAMP)

@@ -45,3 +45,5 @@ DEFAULT_STORAGE = "sqlite:///results/optuna.db"
 # `--workers N` passes them so (a password in a URL never appears in `ps`).
 STORAGE_ENV = "HARNESS_STORAGE"
 TRACKING_ENV = "HARNESS_TRACKING_URI"
+# A `harness sweep --launcher slurm|ray` submission's id, handed to its workers with the stores.
+LAUNCH_ENV = "HARNESS_LAUNCH"

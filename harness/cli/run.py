@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from harness.cli.common import HEADINGS, make_console, noise_footnote, table_text
-from harness.contract import AXES, STORAGE_ENV, TRACKING_ENV
-from harness.spec import SpecError, load_spec, on_hardware, points, trial_config
+from harness.contract import AXES, LAUNCH_ENV, STORAGE_ENV, TRACKING_ENV
+from harness.record.stores import redact
+from harness.spec import Spec, SpecError, load_spec, on_hardware, points, trial_config
+from harness.spec.schema import LAUNCHERS
 
 
 class RetryChoice(click.Choice):
@@ -62,6 +66,19 @@ class RetryChoice(click.Choice):
     help="Run recorded crash and timeout trials again (=all: also oom, diverged, "
     "infeasible), replacing their records in the same sweep.",
 )
+@click.option(
+    "--launcher",
+    type=click.Choice(LAUNCHERS),
+    default=None,
+    help="Who starts the workers: local (this host, the default), slurm (a submitit job "
+    "array) or ray (actors on a Ray cluster); overrides the spec's launcher.name.",
+)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="--launcher slurm: stay until the jobs end, showing progress from the study, then "
+    "the summary (ray always waits; local is always in this process).",
+)
 def sweep(
     spec_path: Path,
     fresh: bool,
@@ -69,6 +86,8 @@ def sweep(
     n_trials: int | None,
     workers: int,
     retry: str | None,
+    launcher: str | None,
+    wait: bool,
 ) -> None:
     """Run the trials of SPEC (each in its own process) and record them in MLflow.
 
@@ -77,8 +96,14 @@ def sweep(
     failed ones again). A trial's identity includes this host's device and its name, so the
     same SPEC on other hardware is a new sweep. Exit status: 0 when every trial has a
     result (ok, oom, diverged, infeasible), 1 when any crashed or timed out, 2 on bad input.
+    With --launcher slurm|ray the workers run on a cluster (README "Many machines").
     """
     spec = load_spec(spec_path)
+    if launcher:
+        spec = with_launcher(spec, launcher)
+    remote = spec.launcher.name != "local"
+    if remote and not dry_run:
+        check_remote_options(spec, fresh, retry, n_trials, workers)
     if retry and fresh:
         raise SpecError(
             f"{spec_path}: --retry-failed and --fresh: a fresh sweep has nothing to retry"
@@ -115,6 +140,9 @@ def sweep(
             shown = {**point, "batch_size": searched} if config.batch_size_search else point
             console.print(f"{index:>4}  {config.trial_key}  {shown}")
         return
+    if remote:
+        launch_on_cluster(spec, console, wait)
+        return
     try:
         if workers > 1:
             from harness.sweep.workers import run_with_workers
@@ -132,6 +160,82 @@ def sweep(
     counts = print_summary(
         console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id
     )
+    exit_for_failures(console, counts)
+
+
+def with_launcher(spec: Spec, name: str) -> Spec:
+    """The spec with ``launcher.name`` replaced (``--launcher``), source kept."""
+    copy = spec.model_copy(update={"launcher": spec.launcher.model_copy(update={"name": name})})
+    copy._source = spec._source
+    return copy
+
+
+def check_remote_options(
+    spec: Spec, fresh: bool, retry: str | None, n_trials: int | None, workers: int
+) -> None:
+    """Options a cluster launch cannot honour, refused in one line before anything starts.
+
+    The workers key their trials to the hardware of their nodes, so the study they use is
+    chosen there: this host can neither delete it (``--fresh``) nor retry or extend it."""
+    name = spec.launcher.name
+    source = spec._source
+    if workers > 1:
+        count = "launcher.slurm.jobs" if name == "slurm" else "launcher.ray.workers"
+        raise SpecError(
+            f"{source}: --workers and --launcher {name}: the launcher starts {count} workers"
+        )
+    for given, flag in ((fresh, "--fresh"), (retry, "--retry-failed"), (n_trials, "--n-trials")):
+        if given:
+            instead = " (or set tracking.experiment for a new sweep)" if flag == "--fresh" else ""
+            raise SpecError(
+                f"{source}: {flag} and --launcher {name}: the workers' study is chosen by their "
+                f"hardware on the nodes; run `harness sweep SPEC {flag}` on such a node{instead}"
+            )
+
+
+def launch_on_cluster(spec: Spec, console: Console, wait: bool) -> None:
+    """``--launcher slurm|ray``: submit, and (waiting) summarise like a local sweep."""
+    try:
+        if spec.launcher.name == "slurm":
+            from harness.sweep.slurm import launch
+
+            outcome = launch(spec, console, wait)
+        else:
+            from harness.sweep.ray_launcher import launch as launch_ray
+
+            outcome = launch_ray(spec, console)
+    except KeyboardInterrupt:
+        if spec.launcher.name == "ray":  # Slurm's jobs go on: the launcher said so
+            console.print(
+                "\nInterrupted: the Ray workers stop with this driver. Finished trials are "
+                "recorded; launch again to go on."
+            )
+        sys.exit(130)
+    if not outcome.waited:
+        for hint in outcome.hints:
+            console.print(hint, soft_wrap=True, highlight=False, markup=False)
+        console.print(
+            f"follow the sweep: harness results --experiment {outcome.experiment} "
+            f"--tracking-uri {redact(outcome.tracking_uri)} (or launch with --wait)",
+            soft_wrap=True,
+            highlight=False,
+            markup=False,
+        )
+        return
+    for problem in outcome.problems:
+        console.print(f"[yellow]warning:[/] {escape(problem)}", soft_wrap=True, highlight=False)
+    counts: dict[str, int] = {}
+    for parent in outcome.parents:
+        found = print_summary(console, outcome.experiment, outcome.tracking_uri, parent)
+        for status, count in found.items():
+            counts[status] = counts.get(status, 0) + count
+    if outcome.missing:
+        console.print(
+            f"exit status 1: {outcome.missing} of the sweep's trials have no record (every "
+            "worker ended first); launch again to run them",
+            highlight=False,
+        )
+        sys.exit(1)
     exit_for_failures(console, counts)
 
 
@@ -174,16 +278,15 @@ def exit_for_failures(console: Console, counts: dict[str, int]) -> None:
 def worker(spec_path: Path, storage: str | None, tracking_uri: str | None) -> None:
     """Join SPEC's sweep from this process (any host) and run trials until none is left.
 
-    Start one per GPU host (e.g. from a SLURM array) against the same PostgreSQL storage and
-    MLflow tracking server; every grid point runs exactly once, on whichever worker claims it.
+    Start one per GPU host against the same PostgreSQL storage and MLflow tracking server (or
+    let `harness sweep --launcher slurm|ray` start them); every grid point runs exactly once,
+    on whichever worker claims it.
     """
-    from harness.sweep.run import prepare, with_tracking, work
+    from harness.sweep.run import run_worker
 
-    spec = with_tracking(load_spec(spec_path), storage=storage, mlflow_uri=tracking_uri)
     console = make_console()
     try:
-        state = prepare(spec, worker=True)
-        work(state, console, shuffle=True)
+        run_worker(spec_path, console, storage, tracking_uri, os.environ.get(LAUNCH_ENV))
     except KeyboardInterrupt:
         console.print(
             "\nInterrupted. Finished trials are recorded; start the worker again to go on."

@@ -67,16 +67,46 @@ def initialise_mlflow_store(url: str) -> None:
     MlflowClient(tracking_uri=url).search_experiments(max_results=1)
 
 
-def storage_for(url: str) -> Any:
-    """What Optuna is given for ``tracking.storage``: a URL, or a journal-file storage."""
-    if not url.startswith(JOURNAL_PREFIX):
-        return url
-    import optuna
-    from optuna.storages.journal import JournalFileBackend
+def storage_for(
+    url: str,
+    heartbeat_s: int | None = None,
+    grace_s: int | None = None,
+    on_stale: Callable[[Any, Any], None] | None = None,
+) -> Any:
+    """What Optuna is given for ``tracking.storage``: a URL, a journal-file storage, or, given
+    ``heartbeat_s``, an ``RDBStorage`` that keeps Optuna's own heartbeat (``heartbeat_s``
+    between beats, a trial without one for ``grace_s`` is stale, ``on_stale`` told of each)."""
+    if url.startswith(JOURNAL_PREFIX):
+        import optuna
+        from optuna.storages.journal import JournalFileBackend
 
-    path = Path(url.removeprefix(JOURNAL_PREFIX).removeprefix("//"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        path = Path(url.removeprefix(JOURNAL_PREFIX).removeprefix("//"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    if heartbeat_s is None or not is_database(url):
+        return url
+    import inspect
+    import warnings
+
+    import optuna
+
+    # Optuna 4.9 renamed the callback's argument; both name the same thing.
+    parameters = inspect.signature(optuna.storages.RDBStorage).parameters
+    callback = (
+        "heartbeat_stale_trial_callback"
+        if "heartbeat_stale_trial_callback" in parameters
+        else "failed_trial_callback"
+    )
+    with warnings.catch_warnings():  # the heartbeat is "experimental" in every Optuna since 2.9
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=heartbeat_s, grace_period=grace_s, **{callback: on_stale}
+        )
+
+
+def is_database(url: str) -> bool:
+    """Whether ``url`` is a SQLAlchemy database URL (an Optuna RDB storage)."""
+    return urlparse(url).scheme.partition("+")[0] in ("sqlite", "postgresql", "mysql")
 
 
 def shared_storage(url: str) -> str:

@@ -315,9 +315,19 @@ class Tracker:
             keys.append(run.data.tags.get("trial_key", ""))
         return keys
 
-    def discard_unfinished_trials(self, parent_run_id: str) -> int:
-        """Delete half-written trial runs a killed sweep left behind; their trials run again."""
-        unfinished = [run for run in self.trial_runs(parent_run_id) if run.info.status == "RUNNING"]
+    def discard_unfinished_trials(self, parent_run_id: str, trial_key: str | None = None) -> int:
+        """Delete half-written trial runs a killed sweep left behind; their trials run again.
+        ``trial_key``: only that point's (a worker about to record a point whose earlier
+        worker died, perhaps while it was recording it)."""
+        runs = (
+            self.trial_runs(parent_run_id)
+            if trial_key is None
+            else self.search(
+                f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}' "
+                f"and tags.trial_key = '{trial_key}'"
+            )
+        )
+        unfinished = [run for run in runs if run.info.status == "RUNNING"]
         for run in unfinished:
             self.client.delete_run(run.info.run_id)
         return len(unfinished)

@@ -396,6 +396,59 @@ class TrackingSpec(Strict):
     results_dir: str = DEFAULT_RESULTS_DIR
 
 
+# ``launcher.name`` (and ``harness sweep --launcher``): who starts the sweep's workers.
+LAUNCHERS = ("local", "slurm", "ray")
+SLURM_OPTION = re.compile(r"^slurm_[a-z][a-z0-9_]*$")
+
+
+class SlurmSpec(BaseModel):
+    """``launcher.slurm``: a submitit job array of workers. Keys ``slurm_<option>`` go to
+    submitit as they are (``slurm_qos``, ``slurm_constraint``, ``slurm_setup``,
+    ``slurm_additional_parameters``, ...); submitit's own list is checked at submission."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    jobs: PositiveInt = 1
+    # slurm: sbatch; local: submitit's LocalExecutor runs the jobs on this host (to try a recipe)
+    cluster: Literal["slurm", "local"] = "slurm"
+    partition: str | None = None
+    account: str | None = None
+    cpus_per_task: PositiveInt | None = None
+    mem: Annotated[Any, AfterValidator(_bytes)] | None = None
+    time: Annotated[Any, AfterValidator(_seconds)] = 3600.0
+
+    @model_validator(mode="after")
+    def only_slurm_options(self) -> SlurmSpec:
+        for key in self.model_extra or {}:
+            if not SLURM_OPTION.match(key):
+                allowed = [*type(self).model_fields, "slurm_<option>"]
+                raise FieldProblem(
+                    [key],
+                    f"unknown key (allowed: {', '.join(allowed)})"
+                    f"{did_you_mean(key, type(self).model_fields)}",
+                )
+        return self
+
+    def passthrough(self) -> dict[str, Any]:
+        """The ``slurm_<option>`` keys, for submitit."""
+        return dict(self.model_extra or {})
+
+
+class RaySpec(Strict):
+    """``launcher.ray``: one Ray actor per worker."""
+
+    address: str | None = None  # ray.init(address=...); None: a local cluster for the sweep
+    workers: PositiveInt = 1
+    cpus_per_worker: PositiveFloat = 1.0
+    retries: int = Field(3, ge=0, le=100)  # restarts of a lost actor (node loss, a kill)
+
+
+class LauncherSpec(Strict):
+    name: Literal[LAUNCHERS] = "local"
+    slurm: SlurmSpec = SlurmSpec()
+    ray: RaySpec = RaySpec()
+
+
 class Spec(Strict):
     name: str
     description: str = ""
@@ -409,6 +462,7 @@ class Spec(Strict):
     search: SearchSpec = SearchSpec()
     limits: LimitsSpec = LimitsSpec()
     tracking: TrackingSpec = TrackingSpec()
+    launcher: LauncherSpec = LauncherSpec()
     # Set by parse_spec: where the spec came from (user model code is imported from there).
     _source: str = PrivateAttr("")
     # Set by the sweep (``harness.trial.hardware.host_hardware``): the device this host resolves

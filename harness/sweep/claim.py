@@ -1,29 +1,43 @@
 """Several sweep processes, one study: storage, claiming a point, heartbeats, dead workers.
 
-Every worker (``harness sweep``, each of ``--workers N``, each ``harness worker`` on any host)
-opens the same Optuna study and takes grid points one at a time:
+Every worker (``harness sweep``, each of ``--workers N``, each ``harness worker`` on any host,
+each Slurm job or Ray actor of ``--launcher``) opens the same Optuna study and takes grid
+points one at a time:
 
 - **Claim.** A worker asks the study for a trial, names its point (``trial_key``) on it, then
   looks at every other trial of that point: one that is finished (and not abandoned) or an
   earlier one still running means the point is taken, and the worker abandons its trial and
   moves on. Both of two racing workers name their point before they look, so the one whose
-  trial came first keeps it and the other sees it: every point runs once.
-- **Heartbeat.** While its trial runs, a worker writes the time onto the trial every
-  ``HEARTBEAT_S`` seconds, with its owner (``host:pid``).
-- **Dead workers.** A running trial whose owner is a dead process on this host, or whose
-  heartbeat is older than ``STALE_AFTER_S``, is failed and its point is free again. Such a
-  trial is told apart from a measured failure without any private Optuna API: ``plan.tell``
-  writes the trial's ``status`` before it fails a trial, a dead worker's trial never got one.
+  trial came first keeps it and the other sees it: every point runs once. Optuna has nothing
+  for this (its ``GridSampler`` hands the same point to racing workers, and a failed point is
+  never retried), so the claim is ours.
+- **Heartbeat.** While its trial runs, a worker proves it is alive every ``HEARTBEAT_S``
+  seconds. On an RDB storage (PostgreSQL, MySQL, SQLite) that is **Optuna's own heartbeat**:
+  the storage is opened with ``heartbeat_interval``/``grace_period`` and a stale-trial
+  callback (``heartbeat_options``), the worker records beats with the storage's public
+  ``record_heartbeat`` (the trial's id found through the public
+  ``get_trial_id_from_study_id_trial_number``: Optuna beats by itself only inside
+  ``Study.optimize``, and this sweep drives ask/tell), and ``optuna.storages.fail_stale_trials``
+  fails trials whose beat is older than the grace period, timed by the database's clock, so
+  hosts with skewed clocks agree. A journal file has no heartbeat in Optuna, so there the
+  worker writes the time as a user attribute (``heartbeat``) and this module judges it.
+- **Dead workers.** A running trial whose heartbeat lapsed (above), or whose owner
+  (``host:pid``, written at the claim) is a dead process on this host (Optuna cannot know
+  that: a killed worker's point runs again at once instead of after the grace period), is
+  failed and its point is free again. Such a trial is told apart from a measured failure
+  without any private Optuna API: ``plan.tell`` writes the trial's ``status`` before it fails
+  a trial, a dead worker's trial never got one.
 - **Retried.** ``harness sweep --retry-failed`` records on the study which trials of which
   points it replaces (``superseded``): those points are free again, their MLflow runs are
   deleted (kept in the store, restorable) and tagged ``superseded``.
 
-The heartbeat is this module's own (a user attribute), not Optuna's RDB heartbeat: that one is
-written through a storage call that needs a trial's private id, and journal files have none.
+Optuna's ``RetryHeartbeatStaleTrialCallback`` is not used: it enqueues a copy of the stale
+trial that the next ``ask`` of any worker would pop, beside the point this sweep's planner
+frees and enqueues itself; the callback here only says what happened.
 
 Storage (``harness.record.stores``): ``sqlite:///...`` (one process at a time is safest),
-``journal:PATH`` (Optuna's journal file: many processes on one machine) or
-``postgresql://...`` (many machines).
+``journal:PATH`` (Optuna's journal file: many processes on one machine, or on a shared
+filesystem) or ``postgresql://...`` (many machines).
 """
 
 from __future__ import annotations
@@ -31,13 +45,21 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
-HEARTBEAT_S = 5.0
-STALE_AFTER_S = 60.0
+# Optuna takes heartbeat_interval and grace_period in whole seconds (heartbeat_options).
+HEARTBEAT_S: float = 5
+STALE_AFTER_S: float = 60
+# On a trial whose liveness Optuna's heartbeat keeps (an RDB storage): its age is Optuna's to judge.
+OPTUNA_BEAT_ATTR = "optuna_heartbeat"
+
+# How many trials this process failed through Optuna's stale-trial callback (``report_stale``).
+_stale_reported = 0
 
 
 def owner() -> str:
@@ -54,26 +76,75 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def report_stale(study: Any, trial: Any) -> None:
+    """Optuna's stale-trial callback: one line naming the point whose worker went silent."""
+    global _stale_reported
+    _stale_reported += 1
+    key = str(trial.user_attrs.get("trial_key", "?"))[:8]
+    holder = trial.user_attrs.get("owner", "an unknown worker")
+    print(
+        f"trial {trial.number} (point {key}, worker {holder}) sent no heartbeat for "
+        f"{STALE_AFTER_S:g}s: failed, its point runs again",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def heartbeat_options() -> dict[str, Any]:
+    """What ``harness.record.stores.storage_for`` opens an RDB storage with: Optuna's heartbeat."""
+    return {
+        "heartbeat_s": max(1, round(HEARTBEAT_S)),
+        "grace_s": max(1, round(STALE_AFTER_S)),
+        "on_stale": report_stale,
+    }
+
+
+def optuna_beat(trial: Any) -> Callable[[], None] | None:
+    """A call that records one Optuna heartbeat of ``trial``, or None where its storage keeps
+    none (journal files, in-memory studies). Public API only: ``optuna.Trial.storage``, the
+    storage's ``get_heartbeat_interval``/``record_heartbeat`` and its id lookups."""
+    storage = getattr(trial, "storage", None)
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    if storage is None or interval is None or not interval():
+        return None
+    study_id = storage.get_study_id_from_name(trial.study.study_name)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+    return lambda: storage.record_heartbeat(trial_id)
+
+
 def is_stale(trial: Any, now: float) -> bool:
-    """A RUNNING trial nobody is working on any more."""
-    holder = trial.user_attrs.get("owner")
-    if holder is None:  # written before owners existed: a single sweep that was killed
-        return True
+    """A RUNNING trial nobody is working on any more (by the checks Optuna cannot make)."""
+    attrs = trial.user_attrs
+    holder = attrs.get("owner")
+    if holder is None:
+        if "trial_key" in attrs:  # written before owners existed: a single sweep that was killed
+            return True
+        # Asked but not claimed yet: its worker may be between ask and claim right now.
+        start = trial.datetime_start
+        return start is None or now - start.timestamp() > STALE_AFTER_S
     host, _, pid = holder.rpartition(":")
     if holder == owner():
         return False
     if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
         return True
-    beat = trial.user_attrs.get("heartbeat")
+    if attrs.get(OPTUNA_BEAT_ATTR):
+        return False  # Optuna's heartbeat: optuna.storages.fail_stale_trials judges its age
+    beat = attrs.get("heartbeat")
     if beat is None and trial.datetime_start is not None:
         beat = trial.datetime_start.timestamp()
     return beat is None or now - float(beat) > STALE_AFTER_S
 
 
 def fail_stale_trials(study: Any) -> int:
-    """Fail the RUNNING trials of dead workers, so their points run again."""
+    """Fail the RUNNING trials of dead workers, so their points run again: Optuna's own check
+    of its heartbeat first (a no-op on storages without one), then ``is_stale``'s."""
+    import optuna
     from optuna.trial import TrialState
 
+    before = _stale_reported
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
     now = time.time()
     stale = [
         t
@@ -83,7 +154,7 @@ def fail_stale_trials(study: Any) -> int:
     for trial in stale:
         with contextlib.suppress(Exception):  # another worker may have failed it just now
             study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
-    return len(stale)
+    return len(stale) + _stale_reported - before
 
 
 SUPERSEDED_ATTR = "superseded"  # on the study: trial_key -> last trial number a retry replaced
@@ -128,13 +199,35 @@ def taken(study: Any, trial: Any, key: str) -> bool:
     return False
 
 
-def claim_point(study: Any, trial: Any, key: str) -> bool:
-    """Name the point on the trial, then keep it only if nobody else has it."""
+def cut_off_before(study: Any, trial: Any, key: str) -> bool:
+    """Whether a dead worker held this point before ``trial`` (failed without a status, as
+    ``fail_stale_trials`` leaves it): it may have died while recording it in MLflow."""
     from optuna.trial import TrialState
 
-    trial.set_user_attr("trial_key", key)
+    for other in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        attrs = other.user_attrs
+        if other.number == trial.number or attrs.get("trial_key") != key:
+            continue
+        if "status" not in attrs and "repeat_of" not in attrs and not attrs.get("abandoned"):
+            return True
+    return False
+
+
+def claim_point(study: Any, trial: Any, key: str) -> bool:
+    """Name the point on the trial, then keep it only if nobody else has it.
+
+    The first heartbeat comes before the owner and the owner before the point, so a trial
+    holding a point always has an owner whose death can be seen, and a beat Optuna can age."""
+    from optuna.trial import TrialState
+
+    beat = optuna_beat(trial)
+    if beat is not None:
+        beat()
+        trial.set_user_attr(OPTUNA_BEAT_ATTR, True)
+    else:
+        trial.set_user_attr("heartbeat", time.time())
     trial.set_user_attr("owner", owner())
-    trial.set_user_attr("heartbeat", time.time())
+    trial.set_user_attr("trial_key", key)
     if not taken(study, trial, key):
         return True
     trial.set_user_attr("abandoned", True)
@@ -144,15 +237,24 @@ def claim_point(study: Any, trial: Any, key: str) -> bool:
 
 @contextlib.contextmanager
 def heartbeat(trial: Any) -> Iterator[None]:
-    """Write the time onto the trial every ``HEARTBEAT_S`` while the block runs."""
+    """Prove every ``HEARTBEAT_S`` that the trial's worker is alive while the block runs:
+    Optuna's heartbeat where the storage keeps one, else the time as a user attribute."""
+    beat = optuna_beat(trial)
+
+    def write() -> None:
+        if beat is not None:
+            beat()
+        else:
+            trial.set_user_attr("heartbeat", time.time())
+
     stop = threading.Event()
 
-    def beat() -> None:
+    def beats() -> None:
         while not stop.wait(HEARTBEAT_S):
             with contextlib.suppress(Exception):  # a storage hiccup must not kill the trial
-                trial.set_user_attr("heartbeat", time.time())
+                write()
 
-    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread = threading.Thread(target=beats, name="heartbeat", daemon=True)
     thread.start()
     try:
         yield

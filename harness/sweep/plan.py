@@ -15,12 +15,20 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from harness.record.stores import prepare_store, storage_for
 from harness.spec import Spec, SpecError, grid_hash, on_hardware, points, trial_config
-from harness.sweep.claim import SUPERSEDED_ATTR, claim_point, owner, released, superseded
+from harness.sweep.claim import (
+    SUPERSEDED_ATTR,
+    claim_point,
+    heartbeat_options,
+    owner,
+    released,
+    superseded,
+)
 from harness.trial.config import TrialConfig
 from harness.trial.hardware import describe_hardware
 from harness.trial.result import OVER_BUDGET, TrialResult
@@ -111,17 +119,18 @@ def planned_grid_sampler(spec: Spec) -> Any:
     return PlannedGridSampler(spec.axes(), seed=spec.train.seed)
 
 
-def create_or_load(name: str, storage: Any, directions: list[str]) -> Any:
+def create_or_load(name: str, storage: Callable[[], Any], directions: list[str]) -> Any:
     """``create_study(load_if_exists=True)``, retried: workers starting together on a new
     PostgreSQL database race to create its tables and the study (an IntegrityError for all but
-    one of them), after which loading works."""
+    one of them), after which loading works. ``storage()`` opens the storage (an ``RDBStorage``
+    creates its tables when opened, so it is inside the race too)."""
     import optuna
     from sqlalchemy.exc import SQLAlchemyError
 
     for attempt in range(8):
         try:
             return optuna.create_study(
-                study_name=name, storage=storage, directions=directions, load_if_exists=True
+                study_name=name, storage=storage(), directions=directions, load_if_exists=True
             )
         except SQLAlchemyError:
             if attempt == 7:
@@ -131,17 +140,19 @@ def create_or_load(name: str, storage: Any, directions: list[str]) -> Any:
 
 
 def open_study(spec: Spec, fresh: bool = False) -> Any:
+    """The sweep's study, on a storage that keeps Optuna's heartbeat where it can (an RDB
+    storage: ``harness.sweep.claim``)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    prepare_store(spec.tracking.storage, lambda url: optuna.storages.RDBStorage(url))
-    storage = storage_for(spec.tracking.storage)
+    url = spec.tracking.storage
+    prepare_store(url, lambda path: optuna.storages.RDBStorage(path))
     name = study_name(spec)
     if fresh:
         with contextlib.suppress(KeyError):
-            optuna.delete_study(study_name=name, storage=storage)
+            optuna.delete_study(study_name=name, storage=storage_for(url))
     directions = [objective.direction for objective in spec.search.objectives]
-    study = create_or_load(name, storage, directions)
+    study = create_or_load(name, lambda: storage_for(url, **heartbeat_options()), directions)
     if "spec_hash" not in study.user_attrs:  # what swept_elsewhere compares
         study.set_user_attr("spec_hash", spec_hash(spec))
         study.set_user_attr("hardware", spec._hardware or {})
@@ -162,8 +173,16 @@ def ask(study: Any, spec: Spec, point: dict[str, Any]) -> tuple[Any, dict[str, A
     """Start a study trial for a grid point, and return the point it really got: with other
     workers enqueueing too, ``ask`` may hand out another worker's enqueued point first."""
     study.enqueue_trial(point, skip_if_exists=False)
-    trial = study.ask()
+    trial = new_trial(study)
     return trial, suggest_point(trial, spec)
+
+
+def new_trial(study: Any) -> Any:
+    """``study.ask()``, without Optuna's warning that its heartbeat is meant for
+    ``Study.optimize``: this sweep drives ask/tell and records the heartbeat itself."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
+        return study.ask()
 
 
 def objective_values(spec: Spec, result: TrialResult) -> list[float] | None:
@@ -311,7 +330,7 @@ class SearchPlan:
             taken = self.taken()
             if not set(self.by_key) - taken:
                 return None
-            trial = self.study.ask()
+            trial = new_trial(self.study)
             point = suggest_point(trial, self.spec)
             config = trial_config(self.spec, point)
             if config.trial_key in taken:

@@ -116,3 +116,42 @@ def check_stores(spec: Spec) -> None:
             check_http(spec, field, store)
         elif scheme.startswith(("postgresql", "mysql")):
             check_database(spec, field, store)
+
+
+def local_path(store: str) -> str | None:
+    """The file a store lives in when that path means something on this host only (relative
+    to its working directory, or in memory), else None."""
+    if store.startswith(JOURNAL_PREFIX):
+        raw = store.removeprefix(JOURNAL_PREFIX).removeprefix("//")
+    elif urlparse(store).scheme == "sqlite":
+        raw = store.removeprefix("sqlite:///") if store.startswith("sqlite:///") else ""
+        if raw in ("", ":memory:"):
+            return raw or ":memory:"
+    elif urlparse(store).scheme in ("", "file"):
+        raw = store.removeprefix("file://")
+    else:
+        return None  # a server: postgresql://, mysql://, http(s)://
+    return None if Path(raw).is_absolute() else raw
+
+
+def check_shared_stores(spec: Spec, launcher: str) -> None:
+    """A launcher whose workers run on other hosts (``slurm``, ``ray``) needs stores they all
+    reach: a server, or an absolute path on a filesystem every node mounts. A relative SQLite
+    or journal path would give each node a store of its own (one line, exit 2)."""
+    for field, store in (
+        ("tracking.storage", spec.tracking.storage),
+        ("tracking.mlflow_uri", spec.tracking.mlflow_uri),
+    ):
+        path = local_path(store)
+        if path is None:
+            continue
+        shared = (
+            "postgresql://USER@HOST/DB, or journal:/ABSOLUTE/PATH"
+            if field == "tracking.storage"
+            else "http://MLFLOW_HOST:5000 (an mlflow server), or sqlite:////ABSOLUTE/PATH"
+        )
+        raise SpecError(
+            f"{spec._source or '<spec>'}: {field}: {redact(store)} is a path on this host only "
+            f"({path}); the {launcher} launcher's workers run on the cluster's nodes and need a store "
+            f"they all reach: {shared} on a filesystem every node mounts"
+        )

@@ -28,7 +28,15 @@ from rich.progress import (
 from harness.analyse.noise import NOISY_MARK, noise_reason
 from harness.record.stores import redact
 from harness.record.tracking import Tracker
-from harness.spec import Spec, SpecError, grid_hash, on_hardware, points, trial_config
+from harness.spec import (
+    Spec,
+    SpecError,
+    grid_hash,
+    load_spec,
+    on_hardware,
+    points,
+    trial_config,
+)
 from harness.spec.grid import max_batch_key, with_max_batch
 from harness.spec.schema import MAX_BATCH
 from harness.strategies import batch_step
@@ -118,6 +126,7 @@ def prepare(
     worker: bool = False,
     runs_trials: bool = True,
     retry: str | None = None,
+    launch: str | None = None,
 ) -> SweepState:
     """Open (or start) the sweep's study and MLflow parent run; fail dead workers' trials.
 
@@ -127,7 +136,9 @@ def prepare(
     afresh nor deletes half-written trial runs (those may be another worker's, being written
     right now). Where this process ``runs_trials``, the warm trial starter imports torch
     meanwhile. ``retry`` (``failed`` or ``all``) frees the points of recorded trials with those
-    statuses (``RETRY_STATUSES``) so they run again under the same parent run.
+    statuses (``RETRY_STATUSES``) so they run again under the same parent run. ``launch``
+    (a ``--launcher`` submission's id) is noted on the study, so ``harness sweep --wait`` finds
+    the study its workers chose (their hardware names it).
     """
     preflight.check_stores(spec)  # before anything is created or any trial runs
     if runs_trials:
@@ -140,6 +151,8 @@ def prepare(
     study = plan.open_study(spec, fresh=fresh)
     other_hardware = plan.swept_elsewhere(study, spec)
     interrupted = claim.fail_stale_trials(study)
+    if launch:
+        study.set_user_attr(f"{LAUNCH_ATTR}{launch}", time.time())
     tracker = Tracker(
         spec.tracking.mlflow_uri, spec.experiment, results_dir / "mlartifacts" / spec.experiment
     )
@@ -175,6 +188,26 @@ def prepare(
     return SweepState(spec, study, tracker, parent, interrupted, retried, other_hardware)
 
 
+# On the study: ``launch_<id>`` for each ``--launcher`` submission whose workers joined it.
+LAUNCH_ATTR = "launch_"
+
+
+def run_worker(
+    spec_path: str | Path,
+    console: Console,
+    storage: str | None = None,
+    tracking_uri: str | None = None,
+    launch: str | None = None,
+) -> SweepOutcome:
+    """``harness worker`` (also each Slurm job and Ray actor of ``--launcher``): join the
+    sweep of the spec at ``spec_path`` from this process and run trials until none is left.
+    ``storage``/``tracking_uri`` replace the spec's stores (they come from the environment,
+    ``HARNESS_STORAGE``/``HARNESS_TRACKING_URI``, never a command line)."""
+    spec = with_tracking(load_spec(spec_path), storage=storage, mlflow_uri=tracking_uri)
+    state = prepare(spec, worker=True, launch=launch)
+    return work(state, console, shuffle=True)
+
+
 def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
     """``grid.batch_size: max``: for each model size x dtype x strategy, the largest batch whose
     predicted peak fits ``device_memory`` (``harness.sweep.fit``: the estimator at a few batch
@@ -188,7 +221,7 @@ def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
     if MAX_BATCH not in spec.grid.batch_size or spec._max_batch:
         return spec
     from harness.sweep.estimate import EstimateError
-    from harness.sweep.fit import fit_configs, upper_bound
+    from harness.sweep.fit import default_jobs, fit_configs, upper_bound
 
     target = (target or (spec._hardware or {}).get("device") or spec.device).split(":")[0]
     budget = int(spec.device_memory or 0)
@@ -205,7 +238,7 @@ def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
         flush=True,
     )
     try:
-        answers = fit_configs(configs, target, [budget], "batch_size", None)
+        answers = fit_configs(configs, target, [budget], "batch_size", None, default_jobs())
     except EstimateError as error:
         raise SpecError(f"{spec._source or '<spec>'}: grid.batch_size: max: {error}") from None
     found = {}
@@ -372,6 +405,9 @@ def work(
                                 'only with care; see README "Stable CPU timings"[/]',
                                 soft_wrap=True,
                             )
+                        if claim.cut_off_before(study, trial, config.trial_key):
+                            # its dead worker may have left a half-written run of this point
+                            tracker.discard_unfinished_trials(parent, config.trial_key)
                         run_id = tracker.log_trial(
                             parent, config, result, workdir, started_ms, label
                         )
