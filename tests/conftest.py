@@ -7,8 +7,11 @@ import contextlib
 import copy
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,3 +85,50 @@ def headless_chromium(window: str, console_log: bool = False) -> Iterator[Any]:
         yield browser
     finally:
         browser.quit()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_port(port: int, seconds: float, what: str) -> None:
+    """Until something listens on 127.0.0.1:``port``; the test fails after ``seconds``."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        time.sleep(0.3)
+    pytest.fail(f"{what} did not start in {seconds:g} s")
+
+
+@contextlib.contextmanager
+def mlflow_server_at(folder: Path) -> Iterator[str]:
+    """A real ``mlflow server`` (SQLite store and artifacts under ``folder``) on a free port,
+    its URL; stopped with every process it started. MLflow 3's job runner is off: eight
+    polling processes no test uses."""
+    port = free_port()
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "mlflow"), "server",
+        "--backend-store-uri", f"sqlite:///{folder}/server.db",
+        "--artifacts-destination", str(folder / "server-artifacts"),
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = subprocess.Popen(
+        command, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_port(port, 90, "mlflow server")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)

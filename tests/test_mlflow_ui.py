@@ -9,10 +9,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,9 +32,15 @@ from harness.record.tracking import (
 )
 from harness.spec import parse_spec, trial_configs
 from harness.trial.result import Status, TrialResult
-from tests.conftest import BASE_SPEC, headless_chromium, run_cli, write_spec
+from tests.conftest import (
+    BASE_SPEC,
+    free_port,
+    headless_chromium,
+    run_cli,
+    wait_for_port,
+    write_spec,
+)
 from tests.test_tracking import record, store  # noqa: F401  (store: a fixture)
-from tests.test_workers import free_port
 
 
 def test_the_experiment_is_tagged_and_its_runs_url_printed(store, base_spec):  # noqa: F811
@@ -88,16 +92,6 @@ def start_mlflow_ui(folder: Path, port: int) -> subprocess.Popen[bytes]:
     )
 
 
-def wait_for_port(port: int, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        with contextlib.suppress(OSError):
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        time.sleep(0.5)
-    pytest.fail(f"mlflow ui did not start in {seconds:.0f} s")
-
-
 def stop(server: subprocess.Popen[bytes]) -> None:
     os.killpg(server.pid, signal.SIGTERM)
     try:
@@ -129,7 +123,7 @@ def test_the_printed_url_opens_the_trials_in_headless_chromium(tmp_path):
         experiment = MlflowClient(tracking_uri=store).get_experiment_by_name("ui")
         assert printed.group(1) == runs_url(experiment.experiment_id)
         url = runs_url(experiment.experiment_id, f"http://127.0.0.1:{port}")
-        wait_for_port(port, 90)
+        wait_for_port(port, 90, "mlflow ui")
 
         browser = stack.enter_context(headless_chromium("1920,1000"))
         browser.get(url)

@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from harness.record.stores import redact, storage_for
 from harness.results import load
 from harness.sweep import claim
-from tests.conftest import BASE_SPEC, REPO, run_cli, write_spec
+from tests.conftest import BASE_SPEC, REPO, mlflow_server_at, run_cli, write_spec
 
 POINTS = {"batch_size": [8, 16, 32], "dtype": ["fp32", "bf16"], "strategy": ["none"]}
 
@@ -117,41 +117,10 @@ def test_workers_2_run_every_point_exactly_once(tmp_path):
     assert len(owners) == 2  # both workers ran trials
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_server(tmp_path):
-    port = free_port()
-    command = [
-        os.path.join(os.path.dirname(sys.executable), "mlflow"), "server",
-        "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-        "--artifacts-destination", str(tmp_path / "server-artifacts"),
-        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-    ]  # fmt: skip
-    server = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        server.kill()
-        pytest.fail("mlflow server did not start in 90 s")
-    yield f"http://127.0.0.1:{port}"
-    os.killpg(server.pid, 15)
-    server.wait(timeout=30)
+    with mlflow_server_at(tmp_path) as url:
+        yield url
 
 
 SERVER = "postgresql://postgres@127.0.0.1:5432"

@@ -260,15 +260,6 @@ def device_note(config: TrialConfig, as_cuda: bool) -> str:
     return choices
 
 
-def prediction_device(name: str) -> tuple[torch.device, bool]:
-    """The device predictions run on for target ``name``, and whether storages are accounted
-    as CUDA allocates them: autograd's engine needs a real CUDA runtime even for fake CUDA
-    tensors, so without a GPU CPU kernels run for a ``cuda`` target."""
-    device = torch.device(name)
-    as_cuda = device.type == "cuda" and not torch.cuda.is_available()
-    return (torch.device("cpu") if as_cuda else device), as_cuda
-
-
 def estimate_row(
     config: TrialConfig, index: int, device: torch.device, as_cuda: bool
 ) -> dict[str, Any]:

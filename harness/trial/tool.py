@@ -17,7 +17,16 @@ from typing import Any
 import torch
 
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import prediction_device
+
+
+def prediction_device(name: str) -> tuple[torch.device, bool]:
+    """The device predictions run on for target ``name``, and whether storages are accounted
+    as CUDA allocates them: autograd's engine needs a real CUDA runtime even for fake CUDA
+    tensors, so without a GPU CPU kernels run for a ``cuda`` target."""
+    device = torch.device(name)
+    as_cuda = device.type == "cuda" and not torch.cuda.is_available()
+    return (torch.device("cpu") if as_cuda else device), as_cuda
+
 
 Answer = Callable[[TrialConfig, int, torch.device, bool], dict[str, Any]]
 
