@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -207,6 +208,17 @@ def test_optuna_heartbeat_keeps_a_live_trial_and_fails_a_silent_one(tmp_path, mo
 # ---- end to end: real jobs, real actors, a worker killed mid-trial ------------------------
 
 
+def sweep_driver(folder: Path, data: dict[str, Any], *flags: str) -> subprocess.Popen[str]:
+    """``harness sweep`` of the spec ``data`` in ``folder``, as a user starts it: its output
+    (stdout and stderr together) read by the test."""
+    spec_path = write_spec(folder, data)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness", "sweep", str(spec_path), *flags],
+        cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tracking_server(tmp_path_factory) -> Iterator[str]:
     """One `mlflow server` for this module's end-to-end tests (each has its own experiment)."""
@@ -322,13 +334,8 @@ def test_slurm_job_array_records_every_point_once_through_a_killed_and_a_preempt
     data = launcher_spec(
         name, {"name": "slurm", "slurm": slurm}, storage=fresh_database, mlflow_uri=tracking_server
     )
-    spec_path = write_spec(tmp_path, data)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     started = time.monotonic()
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "harness", "sweep", str(spec_path), "--wait"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    driver = sweep_driver(tmp_path, data, "--wait")
     try:
 
         def is_job(process: psutil.Process) -> bool:
@@ -396,13 +403,8 @@ def test_ray_actors_record_every_point_once_through_a_killed_worker(
     data = launcher_spec(
         name, {"name": "local", "ray": ray}, storage=fresh_database, mlflow_uri=tracking_server
     )
-    spec_path = write_spec(tmp_path, data)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     started = time.monotonic()
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "harness", "sweep", str(spec_path), "--launcher", "ray"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    driver = sweep_driver(tmp_path, data, "--launcher", "ray")
     try:
         cut_off, orphans, _ = stop_a_worker_mid_trial(
             fresh_database, lambda p: "RayWorker" in " ".join(p.cmdline()), driver
