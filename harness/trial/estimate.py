@@ -261,10 +261,10 @@ def device_note(config: TrialConfig, as_cuda: bool) -> str:
 
 
 def estimate_row(
-    config: TrialConfig, index: int, device: torch.device, as_cuda: bool
+    config: TrialConfig, index: int, request: dict[str, Any], device: torch.device, as_cuda: bool
 ) -> dict[str, Any]:
     """One row of ``python -m harness.trial.estimate``: the prediction (or why there is none)
-    and the closed-form cross-checks."""
+    and the closed-form cross-checks (the config is all it needs of the request)."""
     prediction = estimate_peak(config, device, as_cuda)
     row = {"trial_key": config.trial_key, **prediction, "note": device_note(config, as_cuda)}
     if "num_params" in prediction:

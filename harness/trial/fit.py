@@ -20,13 +20,10 @@ batch, so only multiples of their product are tried.
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -249,7 +246,7 @@ def answers(
 
 
 def fit_answer(
-    config: TrialConfig, index: int, device: torch.device, as_cuda: bool, request: dict[str, Any]
+    config: TrialConfig, index: int, request: dict[str, Any], device: torch.device, as_cuda: bool
 ) -> dict[str, Any]:
     """One config's answer: ``{"rows": fit_config's rows}``."""
     maxima = request.get("max") or [DEFAULT_MAX[request["axis"]]] * len(request["configs"])
@@ -263,8 +260,7 @@ def main(argv: list[str]) -> int:
     """IN: ``{"device", "axis", "budgets": [bytes], "max": [one per config], "configs":
     [TrialConfig dicts], "numbers", "total"}`` (``harness.trial.tool``); OUT: per config its
     rows (``fit_config``) and seconds."""
-    request = json.loads(Path(argv[0]).read_text())
-    return serve(argv, functools.partial(fit_answer, request=request), "fitted", "seconds")
+    return serve(argv, fit_answer, "fitted", "seconds")
 
 
 if __name__ == "__main__":

@@ -28,11 +28,12 @@ def prediction_device(name: str) -> tuple[torch.device, bool]:
     return (torch.device("cpu") if as_cuda else device), as_cuda
 
 
-Answer = Callable[[TrialConfig, int, torch.device, bool], dict[str, Any]]
+# (config, its index in IN, IN itself, device, as_cuda) -> the config's answer
+Answer = Callable[[TrialConfig, int, dict[str, Any], torch.device, bool], dict[str, Any]]
 
 
 def serve(argv: list[str], answer: Answer, verb: str, seconds_key: str, label: str = "") -> int:
-    """Answer IN's configs in order: ``answer(config, index, device, as_cuda)``, timed into
+    """Answer IN's configs in order: ``answer(config, index, request, device, as_cuda)``, timed into
     ``seconds_key``. ``label``: a format of the config shown in progress lines."""
     request = json.loads(Path(argv[0]).read_text())
     device, as_cuda = prediction_device(request["device"])
@@ -42,7 +43,7 @@ def serve(argv: list[str], answer: Answer, verb: str, seconds_key: str, label: s
     answers = []
     for index, (config, number) in enumerate(zip(configs, numbers, strict=True)):
         started = time.perf_counter()
-        found = answer(config, index, device, as_cuda)
+        found = answer(config, index, request, device, as_cuda)
         found[seconds_key] = time.perf_counter() - started
         answers.append(found)
         shown = label.format(config=config)
