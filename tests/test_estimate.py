@@ -11,6 +11,7 @@ import torch
 
 from harness.results import load
 from harness.spec import parse_spec, trial_configs
+from harness.sweep.estimate import run_trial_tool
 from harness.sweep.launch import launch_trial
 from harness.trial.estimate import closed_form, estimate_peak
 from harness.trial.run import run_trial
@@ -128,3 +129,23 @@ def test_a_7b_trial_over_budget_is_infeasible_and_not_run(tmp_path):
     assert "exceeds device_memory 24.00 GiB" in frame.loc["7b", "failure_reason"]
     assert frame.loc["7b", "predicted_peak_bytes"] > 90 * 2**30
     assert pd.isna(frame.loc["7b", "peak_allocated_bytes"])  # never trained
+
+
+def test_several_processes_answer_one_request_each_config_once(capfd):
+    """``run_trial_tool(..., processes=2)``: two children share one request, each claiming the
+    next config not yet taken; every config is answered once, in the request's order."""
+    data = spec()
+    data["grid"].update(batch_size=[8, 16, 32], strategy=["none", "checkpoint"])
+    configs = trial_configs(parse_spec(data))
+    request = {"device": "cpu", "configs": [c.to_dict() for c in configs]}
+    answers = run_trial_tool("harness.trial.estimate", request, "the estimator", processes=2)
+    assert [a["trial_key"] for a in answers] == [c.trial_key for c in configs]
+    for config, answer in zip(configs, answers, strict=True):
+        assert (
+            answer["predicted_peak_bytes"]
+            == estimate_peak(config, torch.device("cpu"))["predicted_peak_bytes"]
+        )
+    progress = [line for line in capfd.readouterr().err.splitlines() if "estimated" in line]
+    assert sorted(line.split(":")[0] for line in progress) == sorted(
+        f"estimated {n}/6" for n in range(1, 7)
+    ), progress  # one line per config: none answered twice

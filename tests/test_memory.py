@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from harness.meters.accounting import TotalsTracker
 from harness.spec import parse_spec, trial_configs
 from harness.trial.loop import check_budget
 from harness.trial.result import Status, TrialFailure
@@ -117,3 +119,22 @@ def test_cuda_budget_check_compares_the_reserved_peak():
     assert failure.value.reason == "peak reserved 2.00 KiB exceeds device_memory 1.00 KiB"
     check_budget(reading, 4096)  # within budget: no failure
     check_budget(reading, None)  # no budget: nothing to compare
+
+
+def test_the_totals_after_each_allocation_reach_the_peak():
+    """``TotalsTracker`` keeps the live total at entry and after every op that allocated (the
+    fit search's moments); the peak is among them."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+    inputs = torch.randn(32, 64)
+    model(inputs).sum().backward()
+    optimizer.step()  # the state exists before the tracked step
+    tracker = TotalsTracker(torch.device("cpu"))
+    tracker.track_external(model, optimizer, inputs)
+    with tracker:
+        optimizer.zero_grad()
+        model(inputs).square().mean().backward()
+        optimizer.step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert max(tracker.totals) == peak
+    assert tracker.totals[0] < peak  # entry: model, optimizer state and inputs only

@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from harness.meters.accounting import PeakTracker, fold, on_device, optimizer_state_bytes
+from harness.meters.accounting import (
+    PeakTracker,
+    TotalsTracker,
+    fold,
+    on_device,
+    optimizer_state_bytes,
+)
 from harness.meters.timeline import TimelineTracker
 from harness.metrics import breakdown_metric
 
@@ -69,13 +75,16 @@ class MemoryWindow:
         allocator_counters: bool = True,
         timeline: bool = False,
         allocator_snapshot: str | None = None,
+        totals: bool = False,
     ) -> None:
         self.device = device
         # Off when estimating on fake tensors: then there is no allocator to ask.
         self.allocator_counters = allocator_counters and device.type == "cuda"
         self.optimizer = optimizer
         self.timeline_tracker = TimelineTracker(device) if timeline else None
-        self.tracker: PeakTracker = self.timeline_tracker or PeakTracker()
+        # ``totals``: the running total after every op, kept (``TotalsTracker``; the fit search).
+        self.totals_tracker = TotalsTracker(device) if totals and not timeline else None
+        self.tracker: PeakTracker = self.timeline_tracker or self.totals_tracker or PeakTracker()
         self.tracker.track_external(model, optimizer, *staged)
         # CUDA only: where to dump the allocator's history for PyTorch's memory viewer.
         self.allocator_snapshot = allocator_snapshot if self.allocator_counters else None

@@ -48,22 +48,23 @@ class EstimateError(Exception):
     """The estimator process failed; the message is its last line."""
 
 
-def run_trial_tool(module: str, request: dict[str, Any], what: str) -> Any:
-    """``python -m MODULE IN.json OUT.json`` of the trial layer, in a child process (this one
-    never imports model code): its answer; its progress lines go to our stderr as they come,
-    its failure is ``EstimateError`` with its last line."""
-    return run_trial_tools(module, [request], what)[0]
+def run_trial_tool(module: str, request: dict[str, Any], what: str, processes: int = 1) -> Any:
+    """``python -m MODULE IN.json OUT.json`` of the trial layer in child processes (this one
+    never imports model code): one answer per config of ``request``, in its order; progress
+    lines go to our stderr as they come; a failure is ``EstimateError`` with its last line.
 
-
-def run_trial_tools(module: str, requests: list[dict[str, Any]], what: str) -> list[Any]:
-    """``run_trial_tool`` for several requests at once, one child process each (predictions
-    are single-threaded Python: N cores answer N requests in the time of one); the answers
-    in request order."""
+    ``processes`` children answer the request together (predictions are single-threaded
+    Python: N cores answer in about 1/N of the time), each taking the next config no other
+    has claimed (``harness.trial.tool``): a queue rather than fixed shares, so one slow config
+    (an 8B QLoRA) does not leave a core idle while another child still holds a backlog."""
+    processes = max(1, min(processes, len(request.get("configs", ())) or 1))
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:
+        given, claims = Path(folder) / "in.json", Path(folder) / "claims"
+        claims.mkdir()
+        given.write_text(json.dumps({**request, "claims": str(claims)}))
         children = []
-        for index, request in enumerate(requests):
-            given, answer = Path(folder) / f"in{index}.json", Path(folder) / f"out{index}.json"
-            given.write_text(json.dumps(request))
+        for index in range(processes):
+            answer = Path(folder) / f"out{index}.json"
             errors = files.enter_context((Path(folder) / f"err{index}.txt").open("w+"))
             child = subprocess.Popen(
                 [sys.executable, "-m", module, str(given), str(answer)],
@@ -83,7 +84,12 @@ def run_trial_tools(module: str, requests: list[dict[str, Any]], what: str) -> l
                 errors.seek(0)
                 lines = errors.read().strip().splitlines()
                 raise EstimateError(f"{what} failed: {lines[-1] if lines else 'no output'}")
-        return [json.loads(answer.read_text()) for _, answer, _ in children]
+        merged: list[Any] = [None] * len(request["configs"])
+        for _, answer, _ in children:  # each child answered the configs it claimed
+            for index, found in enumerate(json.loads(answer.read_text())):
+                if found is not None:
+                    merged[index] = found
+        return merged
 
 
 def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:

@@ -72,6 +72,8 @@ class Predictor:
     ``steps_run=1`` (the fit search) runs one of the memory window's steps, with all of its
     batches staged: after the warm-up every step starts from the same state and allocates the
     same, so the peak of one is the peak of all (tests hold it equal to a full window).
+    ``totals=True`` (the fit search too) adds the live total after every op of the window to
+    each prediction, under ``"totals"`` (``TotalsTracker``).
     """
 
     def __init__(
@@ -80,9 +82,10 @@ class Predictor:
         device: torch.device,
         as_cuda: bool = False,
         steps_run: int | None = None,
+        totals: bool = False,
     ) -> None:
         self.config, self.device, self.as_cuda = config, device, as_cuda
-        self.steps_run = steps_run
+        self.steps_run, self.totals = steps_run, totals
         self.stack: contextlib.ExitStack | None = None
         self.setup: Setup | None = None
         self.failure: dict[str, Any] | None = None  # why no batch size can be predicted
@@ -162,6 +165,7 @@ class Predictor:
             setup.optimizer,
             [t for staged_batch in staged for t in staged_batch.values()],
             allocator_counters=False,
+            totals=self.totals,
         )
         with window:
             for staged_batch in staged[: self.steps_run]:
@@ -182,6 +186,8 @@ class Predictor:
         prediction["num_params_total"] = float(setup.num_params_total)
         prediction["num_params_nf4"] = float(sum(p.numel() for p in parameters if is_nf4(p)))
         prediction["predicted_model_state_bytes"] = model_state
+        if window.totals_tracker is not None:
+            prediction["totals"] = window.totals_tracker.totals
         return prediction
 
 

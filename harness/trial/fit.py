@@ -4,14 +4,20 @@
 budget, without a GPU and without allocating anything: it runs the estimator
 (``harness.trial.estimate``: the trial's own step on fake tensors) at a few values of the axis.
 
-Why it takes so few predictions: for a fixed model the predicted peak is affine in the batch
-size (parameters, gradients and optimizer state do not grow with it; activations and inputs
-grow linearly) and, in the sequence length, affine plus a quadratic attention term. So two
-probes (three for ``seq_len``) give the curve, the curve gives the answer for every budget at
-once, and two predictions confirm it: the answer fits, its successor does not. When a
-confirmation fails (rounding, a kernel that changes path with size) the search falls back to
-bisection between the closest values known to fit and not to fit. Every prediction is cached,
-so budgets share what earlier ones learned; each answer says how many predictions it used.
+Why it takes so few predictions: a step's live memory at any moment is a sum of tensor sizes,
+and for a fixed model each size is constant in the batch (parameters, gradients, optimizer
+state) or grows linearly with it (inputs, activations); in the sequence length, linearly or
+with its square (attention scores). The step's ops, and so its moments, are the same at every
+size. So every probe records the live total after every op (``TotalsTracker``), and two probes
+(three for ``seq_len``) give each moment's line (parabola) exactly; the peak at any value is
+the largest of them, which is why one curve answers every budget, even where the peak moves
+from one moment to another (the optimizer step's temporaries at small batches, backward at
+large ones). Two predictions confirm each answer: it fits, its successor does not. When the
+probes' steps differ (a kernel that changes path with size) the line through the probes'
+peaks stands in; when a confirmation fails (CUDA's 512-byte rounding is not linear) the local
+slope there aims the next guess, and bisection between the closest values known to fit and
+not to fit comes last. Every prediction is cached, so budgets share what earlier ones learned;
+each answer says how many predictions it used.
 
 Allowed values respect the strategies: ``ddp:N``, ``fsdp:N`` and ``accumulate:K`` split the
 batch, so only multiples of their product are tried.
@@ -30,7 +36,7 @@ import torch
 
 from harness.strategies import batch_step
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import Predictor, estimate_peak
+from harness.trial.estimate import Predictor
 from harness.trial.tool import serve
 
 AXES = ("batch_size", "seq_len")
@@ -57,12 +63,16 @@ class Curve:
         self.predict_at = predict
         self.step = step
         self.cache: dict[int, dict[str, Any]] = {}
+        self.totals: dict[int, list[int]] = {}  # the live total after every op, per value
         self.reads: set[int] = set()  # the values one answer consulted (its cost alone)
 
     def __call__(self, value: int) -> dict[str, Any]:
         self.reads.add(value)
         if value not in self.cache:
-            self.cache[value] = self.predict_at(value)
+            prediction = self.predict_at(value)
+            if "totals" in prediction:
+                self.totals[value] = prediction.pop("totals")
+            self.cache[value] = prediction
         return self.cache[value]
 
     def peak(self, value: int) -> float | None:
@@ -80,10 +90,62 @@ class Curve:
         return None if peak is None else peak <= budget
 
 
-# Where the curve is probed, in allowed steps: past the small-batch regime, where a constant
-# (the optimizer step's temporaries) can still be the peak; three for a parabola (seq_len).
-# The smallest value is predicted only when no probe fits (does anything fit at all?).
+# Where the curve is probed, in allowed steps: two for lines (batch), three for parabolas
+# (seq_len); far enough apart that CUDA's 512-byte rounding moves a slope little. The smallest
+# value is predicted only when no probe fits (does anything fit at all?).
 PROBES = {False: (16, 32), True: (16, 32, 64)}
+
+
+def probe_values(step: int, maximum: int, quadratic: bool) -> list[int]:
+    """The allowed values probed first (one, ``step``, when ``--max`` leaves no room)."""
+    top = max(step, maximum // step * step)
+    return sorted({min(top, n * step) for n in PROBES[quadratic]})
+
+
+class Moments:
+    """Every moment of a step (its live total after each op) as a polynomial of the axis,
+    through the totals recorded at two or three values; the peak at a value is their largest.
+    ``None`` from ``of`` when the probes did not run the same ops (their traces differ in
+    length) or recorded none."""
+
+    def __init__(self, xs: list[int], totals: list[list[int]]) -> None:
+        self.xs = xs
+        # Plain Python: the search runs inside the prediction's fake-tensor mode, where a
+        # tensor made here would be fake too.
+        self.moments = list(zip(*totals, strict=True))  # per moment, its total at each x
+
+    @classmethod
+    def of(cls, curve: Curve, xs: list[int]) -> Moments | None:
+        totals = [curve.totals.get(x) for x in xs]
+        if len(xs) < 2 or any(t is None for t in totals):
+            return None
+        if len({len(t) for t in totals if t is not None}) != 1:
+            return None
+        return cls(xs, [t for t in totals if t is not None])
+
+    def peak(self, value: float) -> float:
+        """Lagrange's interpolation at ``value`` of every moment at once; the largest."""
+        weights = [
+            math.prod((value - xj) / (xi - xj) for j, xj in enumerate(self.xs) if j != i)
+            for i, xi in enumerate(self.xs)
+        ]
+        return max(sum(w * y for w, y in zip(weights, ys, strict=True)) for ys in self.moments)
+
+    def largest_fitting(self, budget: float, step: int, top: int) -> int:
+        """The largest allowed value whose modelled peak fits (``step`` if none does), by
+        bisection over the allowed values: the peak never shrinks as the axis grows."""
+        if self.peak(top) <= budget:
+            return top
+        lo, hi = 1, top // step  # in steps: lo fits (or is the floor), hi does not
+        if self.peak(step) > budget:
+            return step
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.peak(mid * step) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        return lo * step
 
 
 def line_guess(curve: Curve, budget: float, a: int, b: int) -> float:
@@ -107,8 +169,12 @@ def quadratic_guess(curve: Curve, budget: float, xs: list[int]) -> float:
 
 
 def first_guess(curve: Curve, budget: float, top: int, probes: list[int]) -> int:
-    """The allowed value the curve through the probes (a line; a parabola through three) says
-    is the last to fit."""
+    """The allowed value the probes say is the last to fit: by every moment's curve
+    (``Moments``) when the probes ran the same ops, else by the curve through their peaks (a
+    line; a parabola through three)."""
+    moments = Moments.of(curve, probes)
+    if moments is not None:
+        return moments.largest_fitting(budget, curve.step, top)
     if len(probes) >= 3:
         root = quadratic_guess(curve, budget, probes[:3])
     elif len(probes) == 2:
@@ -161,12 +227,18 @@ def largest_fitting(
     if maximum < step:  # no allowed value within --max (e.g. --max 2 under accumulate:4)
         return {"value": 0, "method": "none"}
     top = maximum // step * step
-    probes = sorted({min(top, n * step) for n in PROBES[quadratic]})
+    probes = probe_values(step, maximum, quadratic)
     for probe in probes:
         curve(probe)
-    if not any(curve.fits(probe, budget) for probe in probes) and not curve.fits(step, budget):
-        return {"value": 0, "method": "none"}
     guess = first_guess(curve, budget, top, probes)
+    # Does anything fit? When no probe does, a guess above the smallest value that fits says
+    # so by itself (one prediction fewer); otherwise the smallest value decides.
+    if (
+        not any(curve.fits(probe, budget) for probe in probes)
+        and (guess == step or not curve.fits(guess, budget))
+        and not curve.fits(step, budget)
+    ):
+        return {"value": 0, "method": "none"}
     for attempt in range(4):
         if confirmed(curve, guess, budget, top):
             return {"value": guess, "method": "model" if attempt == 0 else "newton"}
@@ -210,21 +282,30 @@ def fit_config(
     with contextlib.ExitStack() as stack:
         if axis == "batch_size":  # one model, built once, predicted at every batch size
             predictor = stack.enter_context(
-                Predictor(at_value(config, axis, step), device, as_cuda, steps_run=1)
+                Predictor(at_value(config, axis, step), device, as_cuda, steps_run=1, totals=True)
             )
             curve = Curve(predictor.predict, step)
         else:  # the sequence length shapes the model: each value builds its own
-            curve = Curve(lambda v: estimate_peak(at_value(config, axis, v), device, as_cuda), step)
+            curve = Curve(lambda v: predict_fresh(at_value(config, axis, v), device, as_cuda), step)
         return answers(curve, budgets, maximum, quadratic=axis == "seq_len")
+
+
+def predict_fresh(config: TrialConfig, device: torch.device, as_cuda: bool) -> dict[str, Any]:
+    """One prediction of a model built for it (a sequence length shapes the model)."""
+    with Predictor(config, device, as_cuda, steps_run=1, totals=True) as predictor:
+        return predictor.predict(config.batch_size)
 
 
 def answers(
     curve: Curve, budgets: list[int], maximum: int, quadratic: bool
 ) -> list[dict[str, Any]]:
     """``fit_config``'s rows, from its curve."""
-    first = curve(curve.step)
+    first = curve(probe_values(curve.step, maximum, quadratic)[0])
+    if "predicted_peak_bytes" not in first:  # perhaps too large a value to run: the smallest
+        first = curve(curve.step)
     if "predicted_peak_bytes" not in first:  # unpredictable or refused: the same at any value
-        return [{"budget_bytes": b, "value": None, **first, "predictions": 1} for b in budgets]
+        reads = len(curve.reads)
+        return [{"budget_bytes": b, "value": None, **first, "predictions": reads} for b in budgets]
     rows = []
     for budget in budgets:
         curve.reads = set()
@@ -258,8 +339,8 @@ def fit_answer(
 
 def main(argv: list[str]) -> int:
     """IN: ``{"device", "axis", "budgets": [bytes], "max": [one per config], "configs":
-    [TrialConfig dicts], "numbers", "total"}`` (``harness.trial.tool``); OUT: per config its
-    rows (``fit_config``) and seconds."""
+    [TrialConfig dicts], "claims"}`` (``harness.trial.tool``); OUT: per config its rows
+    (``fit_config``) and seconds."""
     return serve(argv, fit_answer, "fitted", "seconds")
 
 
