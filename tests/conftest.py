@@ -46,7 +46,9 @@ def write_spec(folder: Path, data: dict[str, Any], name: str = "spec.yaml") -> P
 
 def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """Run ``python -m harness ARGS`` in ``cwd`` (so its results/ land there)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Tables as a pipe gets them (140 columns), whatever terminal width the runner exports.
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = str(REPO)
     return subprocess.run(
         [sys.executable, "-m", "harness", *args],
         cwd=cwd,
