@@ -79,8 +79,8 @@ def cell(row: Any, axis: str) -> str:
     "--jobs",
     type=click.IntRange(min=1),
     default=None,
-    help="Search processes at once, each a share of the configurations (default: one per "
-    "CPU core; each holds one fake model, ~1 GB for an 8B one).",
+    help="Search processes at once, each taking the next configuration not yet taken (default: "
+    "one per CPU core; each holds one fake model, ~1 GB for an 8B one).",
 )
 def fit(
     spec_path: Path,
