@@ -10,6 +10,7 @@ once.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -83,16 +84,17 @@ class PeakTracker(MemTracker):
             reftype = _MemRefType.TEMP
         else:
             reftype = _MemRefType.ACT
+        track = functools.partial(self._track, reftype)
         if isinstance(result, torch.Tensor):
-            self._track(reftype, result)
+            track(result)
         elif isinstance(result, (tuple, list)):
             for item in result:
                 if isinstance(item, torch.Tensor):
-                    self._track(reftype, item)
+                    track(item)
                 elif isinstance(item, (tuple, list, dict)):
-                    tree_map_only(torch.Tensor, lambda t: self._track(reftype, t), item)
+                    tree_map_only(torch.Tensor, track, item)
         elif isinstance(result, dict):
-            tree_map_only(torch.Tensor, lambda t: self._track(reftype, t), result)
+            tree_map_only(torch.Tensor, track, result)
         self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
         return result
 

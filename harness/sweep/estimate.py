@@ -57,7 +57,7 @@ def run_trial_tool(module: str, request: dict[str, Any], what: str, processes: i
     Python: N cores answer in about 1/N of the time), each taking the next config no other
     has claimed (``harness.trial.tool``): a queue rather than fixed shares, so one slow config
     (an 8B QLoRA) does not leave a core idle while another child still holds a backlog."""
-    processes = max(1, min(processes, len(request.get("configs", ())) or 1))
+    processes = max(1, min(processes, len(request["configs"])))
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:
         given, claims = Path(folder) / "in.json", Path(folder) / "claims"
         claims.mkdir()

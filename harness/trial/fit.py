@@ -116,12 +116,10 @@ class Moments:
 
     @classmethod
     def of(cls, curve: Curve, xs: list[int]) -> Moments | None:
-        totals = [curve.totals.get(x) for x in xs]
-        if len(xs) < 2 or any(t is None for t in totals):
+        totals = [curve.totals[x] for x in xs if x in curve.totals]
+        if len(xs) < 2 or len(totals) != len(xs) or len({len(t) for t in totals}) != 1:
             return None
-        if len({len(t) for t in totals if t is not None}) != 1:
-            return None
-        return cls(xs, [t for t in totals if t is not None])
+        return cls(xs, totals)
 
     def peak(self, value: float) -> float:
         """Lagrange's interpolation at ``value`` of every moment at once; the largest."""
@@ -136,9 +134,9 @@ class Moments:
         bisection over the allowed values: the peak never shrinks as the axis grows."""
         if self.peak(top) <= budget:
             return top
-        lo, hi = 1, top // step  # in steps: lo fits (or is the floor), hi does not
         if self.peak(step) > budget:
             return step
+        lo, hi = 1, top // step  # in steps: lo fits, hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if self.peak(mid * step) <= budget:
