@@ -23,7 +23,13 @@ NOT_DEFINING = (
 )
 # Fields added after sweeps were first recorded count in the key only when set, so a spec that
 # does not use them keeps its trial keys (and resumes its sweep).
-KEYED_WHEN_SET: dict[str, Any] = {"model_loss": None, "lora": None, "hardware": None}
+KEYED_WHEN_SET: dict[str, Any] = {
+    "model_loss": None,
+    "lora": None,
+    "hardware": None,
+    "card": None,
+    "allocator": None,
+}
 # Files a trial writes beside its result.json (all logged as MLflow artifacts under trial/).
 TIMELINE_FILE = "timeline.json"  # harness.meters.timeline's samples of the memory window
 TIMELINE_PNG = "timeline.png"  # drawn from it by the sweep (matplotlib is not a trial need)
@@ -65,6 +71,12 @@ class TrialConfig:
     # device type and name; the world size is the strategy's): a CPU's results are not an
     # H200's. None where nothing runs (estimates, dry runs without a host probe).
     hardware: dict[str, str] | None = None
+    # The card a CUDA trial is planned for (``harness.cuda.cards.Card.to_dict``: the spec's
+    # ``card``), None for none named; and the caching allocator's settings
+    # (PYTORCH_CUDA_ALLOC_CONF text, the spec's ``allocator``), None for the defaults. Both
+    # change what the trial is predicted to hold and when it is infeasible.
+    card: dict[str, Any] | None = None
+    allocator: str | None = None
     # Not part of the key: where user model code (``module:attr``) is importable from, whether
     # to run a trial even when it is predicted not to fit, whether to record the memory
     # timeline and (CUDA only) the allocator's history: both run in the untimed memory window

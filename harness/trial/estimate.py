@@ -25,7 +25,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.contract import OPTIMIZER_STATE_BYTES
+from harness.cuda.device_memory import FREE, device_memory
+from harness.cuda.kernels import Workspaces
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
+from harness.meters.allocations import AllocationLog
 from harness.meters.memory import MemoryWindow
 from harness.strategies import STRATEGIES, needs_process_group, parse_term
 from harness.strategies.base import StrategyError
@@ -34,6 +37,7 @@ from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
 from harness.trial.fake import ValuesReadAsOne, fake_process_group, libraries_run_eagerly
 from harness.trial.setup import Setup, build_setup
+from harness.trial.target import CudaTarget, cuda_rules, cuda_target, target_note
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
@@ -74,6 +78,13 @@ class Predictor:
     same, so the peak of one is the peak of all (tests hold it equal to a full window).
     ``totals=True`` (the fit search too) adds the live total after every op of the window to
     each prediction, under ``"totals"`` (``TotalsTracker``).
+
+    A CUDA target also gets what the card holds (``harness.cuda.device_memory``): every
+    storage's allocation and free, in order, from the model's parameters through the warm-up
+    step and the window (``AllocationLog``), replayed through the caching allocator's rules for
+    ``predicted_reserved_bytes``; plus the context and NCCL buffers for
+    ``predicted_device_bytes``. cuBLAS workspaces, which the allocator serves, count as
+    allocated (*other*). Without a GPU the step runs under CUDA's autocast lists and kernels.
     """
 
     def __init__(
@@ -89,6 +100,14 @@ class Predictor:
         self.stack: contextlib.ExitStack | None = None
         self.setup: Setup | None = None
         self.failure: dict[str, Any] | None = None  # why no batch size can be predicted
+        self.target: CudaTarget | None = (
+            cuda_target(config, as_cuda) if as_cuda or device.type == "cuda" else None
+        )
+        self.log: AllocationLog | None = None  # CUDA targets: every allocation, in order
+        self.workspaces: Workspaces | None = None
+        self.kernels: Any = None  # the CUDA kernels' choices (emulated targets)
+        self.history_end = 0  # events before the first window (parameters, warm-up step)
+        self.history_live: set[int] = set()  # allocations alive then
 
     def __enter__(self) -> Predictor:
         return self
@@ -119,11 +138,20 @@ class Predictor:
                 stack.enter_context(cuda_accounting())
             stack.enter_context(fake_process_group(ranks))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            if self.target is not None:
+                self.kernels = stack.enter_context(cuda_rules(self.target))
+                self.workspaces = Workspaces(self.target.card)
+                self.log = stack.enter_context(AllocationLog(self.device.type, self.workspaces))
             stack.enter_context(ValuesReadAsOne())
             setup = build_setup(config, self.device, ranks, self.info, None)
             stack.enter_context(libraries_run_eagerly())  # now that the model's code is loaded
+            if self.log is not None:  # as .to("cuda") places them, in module order
+                self.log.register([*setup.model.parameters(), *setup.model.buffers()])
             # One warm-up step: the optimizer state now exists.
             setup.train_step(setup.to_device(self.info.example_batch(config.batch_size)))
+            if self.log is not None:
+                self.history_end = len(self.log.events)
+                self.history_live = set(self.log.live_ids())
         except StrategyError as error:  # the trial cannot run either: it ends before training
             stack.close()
             self.failure = {"refused": str(error)}
@@ -167,6 +195,8 @@ class Predictor:
             allocator_counters=False,
             totals=self.totals,
         )
+        history = self.history() if self.log is not None else []
+        start = len(self.log.events) if self.log is not None else 0
         with window:
             for staged_batch in staged[: self.steps_run]:
                 setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
@@ -188,7 +218,34 @@ class Predictor:
         prediction["predicted_model_state_bytes"] = model_state
         if window.totals_tracker is not None:
             prediction["totals"] = window.totals_tracker.totals
+        if self.log is not None and self.target is not None and self.workspaces is not None:
+            # The allocator serves cuBLAS's workspaces: allocated bytes tensors do not show.
+            prediction["predicted_peak_bytes"] += self.workspaces.total
+            prediction["predicted_mem_other_bytes"] += self.workspaces.total
+            memory = device_memory(
+                history,
+                self.log.events[start:],
+                self.target.allocator,
+                self.target.card,
+                config.world_size,
+                self.target.budget(config),
+            )
+            prediction.update(memory.metrics())
+            prediction["card"] = self.target.card.name
+            prediction["note"] = target_note(self.target, self.kernels)
         return prediction
+
+    def history(self) -> list[tuple[int, int]]:
+        """What the allocator saw before this window: the parameters and the warm-up step,
+        then (after earlier windows of other batch sizes) the change of what is alive since,
+        as frees and allocations: the state a fresh process would enter the window in."""
+        assert self.log is not None
+        events = self.log.events[: self.history_end]
+        live = self.log.live
+        now = {ident: size for ident, size in live.values()}
+        gone = [(ident, FREE) for ident in sorted(self.history_live - now.keys())]
+        new = [(ident, now[ident]) for ident in sorted(now.keys() - self.history_live)]
+        return [*events, *gone, *new]
 
 
 def one_line(error: Exception) -> str:
@@ -272,7 +329,8 @@ def estimate_row(
     """One row of ``python -m harness.trial.estimate``: the prediction (or why there is none)
     and the closed-form cross-checks (the config is all it needs of the request)."""
     prediction = estimate_peak(config, device, as_cuda)
-    row = {"trial_key": config.trial_key, **prediction, "note": device_note(config, as_cuda)}
+    note = "; ".join(filter(None, (device_note(config, as_cuda), prediction.pop("note", ""))))
+    row = {"trial_key": config.trial_key, **prediction, "note": note}
     if "num_params" in prediction:
         row.update(closed_form(config, prediction))
     return row

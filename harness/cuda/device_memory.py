@@ -1,0 +1,133 @@
+"""What the card holds: a prediction's allocation order replayed through the caching allocator,
+plus what lives outside it.
+
+Three figures, each the one its layer runs out on:
+
+- **allocated**: bytes held by tensors (and library workspaces) at the worst moment;
+- **reserved**: the caching allocator's segments at their peak (``harness.cuda.allocator``
+  replaying the order of requests and frees the prediction made, ``AllocationLog``), which is
+  what ``set_per_process_memory_fraction`` and a card's cudaMalloc limit apply to;
+- **device**: reserved + the CUDA context + NCCL's buffers (multi-rank trials), what
+  nvidia-smi shows and what must fit in the card's memory.
+
+The allocator is replayed with a cap when the unbounded replay does not fit the budget: the real
+allocator frees its cached blocks and retries before it gives up, so a run that fits only
+thanks to that is still judged to fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from harness.cuda.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
+from harness.cuda.cards import MIB, Card
+
+FREE = -1  # AllocationLog's free marker
+
+# NCCL's buffers for one communicator, per rank: an estimate. NCCL allocates them outside
+# PyTorch's allocator: per channel and peer connection a Simple (4 MiB, NCCL_BUFFSIZE), LL
+# (512 KiB) and LL128 (~4.7 MiB) buffer, ~9.2 MiB (NCCL source: src/include/comm.h,
+# DEFAULT_*_BUFFSIZE); channels grow with the interconnect. Published per-GPU figures: 544-688 MB
+# on 4 x A100 NVLink (NVIDIA/nccl issue #964); NVLS (NVSwitch systems, NCCL >= 2.17) reserves
+# ~1 GiB more (NVIDIA/nccl-tests issue #216) unless NCCL_NVLS_ENABLE=0.
+NCCL_PCIE = 300 * MIB
+NCCL_NVLINK = 700 * MIB
+NCCL_NVSWITCH = 1024 * MIB
+
+
+def nccl_bytes(card: Card, world_size: int) -> int:
+    """NCCL's device buffers per rank for a trial of ``world_size`` ranks (0 for one rank)."""
+    if world_size <= 1:
+        return 0
+    link = card.interconnect.lower()
+    if "nvlink 4" in link or "nvlink 5" in link:
+        return NCCL_NVSWITCH
+    if "nvlink" in link or "infinity fabric" in link:
+        return NCCL_NVLINK
+    return NCCL_PCIE
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One prediction's three figures on a card (bytes)."""
+
+    allocated: int
+    reserved: int
+    context: int
+    nccl: int
+    fragmentation: int  # reserved - allocated at the peak reservation
+    alloc_retries: int  # times the replayed allocator freed its cache and retried
+    fits: bool | None  # within the budget; None: no budget
+
+    @property
+    def device(self) -> int:
+        return self.reserved + self.context + self.nccl
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "predicted_reserved_bytes": float(self.reserved),
+            "predicted_device_bytes": float(self.device),
+            "predicted_context_bytes": float(self.context),
+            "predicted_nccl_bytes": float(self.nccl),
+            "predicted_fragmentation_bytes": float(self.fragmentation),
+        }
+
+
+def replay(
+    history: Iterable[tuple[int, int]],
+    window: Sequence[tuple[int, int]],
+    config: AllocatorConfig,
+    capacity: int | None = None,
+) -> CachingAllocator:
+    """The allocator after ``history`` (what ran before the measured window) then ``window``,
+    its peaks reset between them as ``reset_peak_memory_stats`` does; ``OutOfMemory`` when a
+    request cannot be met within ``capacity``."""
+    allocator = CachingAllocator(config, capacity=capacity)
+    addresses: dict[int, int] = {}
+
+    def run(events: Iterable[tuple[int, int]]) -> None:
+        for ident, size in events:
+            if size == FREE:
+                address = addresses.pop(ident, None)
+                if address is not None:
+                    allocator.free(address)
+            else:
+                addresses[ident] = allocator.malloc(size)
+
+    run(history)
+    allocator.reset_peak()
+    run(window)
+    return allocator
+
+
+def device_memory(
+    history: Sequence[tuple[int, int]],
+    window: Sequence[tuple[int, int]],
+    config: AllocatorConfig,
+    card: Card,
+    world_size: int,
+    budget: int | None,
+) -> DeviceMemory:
+    """Reserved and device bytes of the replayed step on ``card``, judged against ``budget``
+    (bytes the device may use in all: the card's memory or a smaller ``device_memory``)."""
+    context, nccl = card.context, nccl_bytes(card, world_size)
+    free = allocator = replay(history, window, config)
+    fits: bool | None = None
+    if budget is not None:
+        fits = allocator.peak_reserved_bytes + context + nccl <= budget
+        if not fits and budget - context - nccl > 0:
+            try:  # the real allocator frees its cache and retries before an OOM
+                allocator = replay(history, window, config, capacity=budget - context - nccl)
+                fits = True
+            except OutOfMemory:
+                allocator = free
+    return DeviceMemory(
+        allocated=allocator.peak_allocated_bytes,
+        reserved=allocator.peak_reserved_bytes,
+        context=context,
+        nccl=nccl,
+        fragmentation=allocator.fragmentation_bytes,
+        alloc_retries=allocator.num_alloc_retries,
+        fits=fits,
+    )

@@ -1,0 +1,136 @@
+"""Every storage a prediction creates and frees on the target device, in order.
+
+Tensor accounting gives the live total at each moment; a caching allocator's reservation
+depends on more than that: the *order* of requests and frees and their sizes decide which
+cached blocks are reused, split or left stranded. ``AllocationLog`` records that order for the
+CUDA caching-allocator model (``harness.cuda.device_memory``): a dispatch mode that sees each
+op's outputs and files every new storage as an allocation, and a weak reference per storage
+that files its free the moment the last tensor using it dies (as the allocator gets it back).
+Storages resized in place (FSDP2's unsharded parameters) count as a free and a new
+allocation, which is what ``resize_`` does on CUDA.
+
+``register`` files tensors that exist before the log starts (the model's parameters and
+buffers as ``.to("cuda")`` would allocate them, in module order). ``on_op`` lets the caller add
+allocations a kernel makes outside any output (cuBLAS workspaces). Events are
+``(allocation id, bytes)`` for an allocation and ``(allocation id, -1)`` for its free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch._guards import active_fake_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from harness.meters.accounting import get_untyped_storages
+
+FREE = -1
+Event = tuple[int, int]
+
+
+class AllocationLog(TorchDispatchMode):
+    """The allocation and free events of storages on ``device_type``, in order."""
+
+    def __init__(
+        self, device_type: str, on_op: Callable[[Any], Iterable[int]] | None = None
+    ) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.on_op = on_op
+        self.events: list[Event] = []
+        self.live: dict[int, tuple[int, int]] = {}  # storage key -> (allocation id, bytes)
+        self._ids = itertools.count()
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._fake_mode_on_entry: Any = None
+        self._original_resize: Any = None
+
+    def __enter__(self) -> AllocationLog:
+        self._fake_mode_on_entry = active_fake_mode()
+        self._original_resize = torch.UntypedStorage.resize_
+        log = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = log._original_resize(storage, size)
+            log._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # not a dispatched op: watched here
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._original_resize
+
+    def register(self, tensors: Iterable[torch.Tensor]) -> None:
+        """File tensors made before the log started, in the order given."""
+        for tensor in tensors:
+            self._saw(tensor)
+
+    def allocate(self, nbytes: int) -> None:
+        """An allocation no tensor shows (a library workspace), never freed."""
+        self.events.append((next(self._ids), nbytes))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.on_op is not None and active_fake_mode() is self._fake_mode_on_entry:
+            for nbytes in self.on_op(func):
+                self.allocate(nbytes)
+        result = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self._fake_mode_on_entry:
+            return result  # a nested fake mode's op (DTensor's sharding propagation)
+        if isinstance(result, torch.Tensor):
+            self._saw(result)
+        else:
+            for item in tree_leaves(result):
+                if isinstance(item, torch.Tensor):
+                    self._saw(item)
+        return result
+
+    def _saw(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self.device_type:
+            return
+        for storage in get_untyped_storages(tensor):
+            key = storage._cdata
+            if key in self.live:
+                continue
+            nbytes = storage.nbytes()
+            if nbytes == 0:  # the allocator hands out no block for an empty storage
+                continue
+            ident = next(self._ids)
+            self.live[key] = (ident, nbytes)
+            self.events.append((ident, nbytes))
+            self._refs[key] = weakref.ref(storage, self._finalizer(key))
+
+    def _finalizer(self, key: int) -> Callable[[Any], None]:
+        def freed(_: Any) -> None:
+            found = self.live.pop(key, None)
+            self._refs.pop(key, None)
+            if found is not None:
+                self.events.append((found[0], FREE))
+
+        return freed
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        found = self.live.get(key)
+        nbytes = storage.nbytes()
+        if found is not None and found[1] == nbytes:
+            return
+        if found is not None:
+            del self.live[key]
+            self.events.append((found[0], FREE))
+        if nbytes > 0:
+            ident = next(self._ids)
+            self.live[key] = (ident, nbytes)
+            self.events.append((ident, nbytes))
+            if key not in self._refs:
+                self._refs[key] = weakref.ref(storage, self._finalizer(key))
+
+    def live_ids(self) -> list[int]:
+        """Allocation ids alive now, oldest first."""
+        return sorted(ident for ident, _ in self.live.values())
