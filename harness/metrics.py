@@ -52,6 +52,13 @@ METRICS: dict[str, str] = {
     "predicted_peak_bytes": "the estimator's prediction of peak_allocated_bytes, made before "
     "the trial trained (fake tensors: the same code, no allocation)",
     "prediction_ratio": "predicted_peak_bytes / peak_allocated_bytes (1.0: exact)",
+    "predicted_reserved_bytes": "CUDA only: the caching allocator's predicted peak reservation "
+    "(its rules, harness.cuda.allocator, replayed on the predicted order of allocations and "
+    "frees)",
+    "predicted_device_bytes": "CUDA only: predicted_reserved_bytes + the card's CUDA context + "
+    "NCCL buffers (multi-rank): what the card must hold; infeasible is judged on it",
+    "reserved_prediction_ratio": "predicted_reserved_bytes / peak_reserved_bytes (1.0: exact)",
+    "device_prediction_ratio": "predicted_device_bytes / peak_device_bytes (1.0: exact)",
     # Where a trial's time went (the sweep's own overhead is trial_wall_time_s minus these).
     "estimate_time_s": "seconds the in-trial peak prediction took (before training)",
     "setup_time_s": "seconds loading the dataset and building model, strategies and optimizer",

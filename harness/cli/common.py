@@ -251,3 +251,31 @@ def emit(frame: pd.DataFrame, fmt: str, show_table: Callable[[], None]) -> None:
         click.echo(frame.to_json(orient="records", indent=1))
     else:
         show_table()
+
+
+def card_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--card NAME`` and ``--cards FILE``: plan for another card than the spec's."""
+    command = click.option(
+        "--cards",
+        "cards_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="A YAML file of your own cards (see docs/cards.md).",
+    )(command)
+    return click.option(
+        "--card",
+        default=None,
+        help="The card to predict for, e.g. h100-80gb, rtx-4090 (`harness cards` lists them); "
+        "its memory is the budget unless device_memory is smaller.",
+    )(command)
+
+
+def prediction_target(spec: Any, device: str) -> str:
+    """The device type to predict for: ``--device``, else the spec's device, else CUDA when a
+    card is named, else what ``auto`` means on this machine."""
+    from harness.spec.schema import local_device
+
+    target = device if device != "auto" else spec.device.split(":")[0]
+    if target == "auto":
+        target = "cuda" if spec.card else local_device()
+    return target

@@ -9,19 +9,21 @@ from typing import Any
 
 import click
 
-from harness.cli.common import emit, make_console
-from harness.spec import SpecError, load_spec
+from harness.cli.common import card_options, emit, make_console, prediction_target
+from harness.spec import SpecError, load_spec, with_card
 from harness.units import format_bytes, parse_bytes
 
 
 def budgets_option(text: str | None, spec: Any, source: Path) -> list[int]:
-    """``--budget 24GiB,80GiB,141GiB``, or the spec's ``device_memory``; one line if neither."""
+    """``--budget 24GiB,80GiB,141GiB``, or the spec's budget (``device_memory``, else the
+    card's memory); one line if none."""
     if text is None:
-        if spec.device_memory is None:
+        if spec.memory_budget is None:
             raise SpecError(
-                f"{source}: device_memory: not set; give --budget 24GiB,80GiB (the cards to fit)"
+                f"{source}: device_memory: not set; give --card h100-80gb or --budget "
+                "24GiB,80GiB (the cards to fit)"
             )
-        return [int(spec.device_memory)]
+        return [int(spec.memory_budget)]
     budgets = []
     for part in text.split(","):
         try:
@@ -50,7 +52,8 @@ def cell(row: Any, axis: str) -> str:
     "--budget",
     "budget_text",
     default=None,
-    help="Cards to fit, e.g. 24GiB,80GiB,141GiB (default: the spec's device_memory).",
+    help="Memory budgets to fit, e.g. 24GiB,80GiB,141GiB (default: the spec's device_memory, "
+    "else the card's memory). On CUDA each budget holds the device figure: reserved + context.",
 )
 @click.option(
     "--axis",
@@ -82,6 +85,7 @@ def cell(row: Any, axis: str) -> str:
     help="Search processes at once, each taking the next configuration not yet taken (default: "
     "one per CPU core; each holds one fake model, ~1 GB for an 8B one).",
 )
+@card_options
 def fit(
     spec_path: Path,
     budget_text: str | None,
@@ -90,18 +94,17 @@ def fit(
     fmt: str,
     device: str,
     jobs: int | None,
+    card: str | None,
+    cards_file: Path | None,
 ) -> None:
     """The largest batch (or sequence length) of every configuration that fits each budget,
     predicted on fake tensors: no GPU, nothing allocated."""
-    from harness.spec.schema import local_device
     from harness.sweep.estimate import EstimateError
     from harness.sweep.fit import default_jobs, fit_grid
 
-    spec = load_spec(spec_path)
+    spec = with_card(load_spec(spec_path), card, str(cards_file) if cards_file else None)
     budgets = budgets_option(budget_text, spec, spec_path)
-    target = device if device != "auto" else spec.device.split(":")[0]
-    if target == "auto":
-        target = local_device()
+    target = prediction_target(spec, device)
     started = time.perf_counter()
     try:
         frame = fit_grid(spec, target, budgets, axis, maximum, jobs or default_jobs())
@@ -143,12 +146,16 @@ def show_fit(
         highlight=False,
     )
     margin = answered["margin_bytes"].min() if len(answered) else None
+    judged = (
+        "the device figure: the caching allocator's reserved segments (its rules replayed on "
+        "the step's allocations) + the CUDA context + NCCL buffers"
+        if "predicted_device_bytes" in frame
+        else "tensor accounting (exact on CPU)"
+    )
     console.print(
-        "On CPU the prediction is exact tensor accounting. On CUDA it is allocated memory: keep "
-        "a margin for what the allocator reserves beyond it and for the CUDA context (often "
-        "0.3-1 GiB), e.g. fit against the card's size minus 10 %"
+        f"Judged on {judged}"
         + (
-            f"; the smallest margin left here is {format_bytes(margin, short=True)}"
+            f"; the smallest margin left is {format_bytes(margin, short=True)}"
             if margin is not None
             else ""
         )
@@ -156,3 +163,5 @@ def show_fit(
         soft_wrap=True,
         highlight=False,
     )
+    for note in sorted({n for n in frame.get("note", []) if isinstance(n, str)}):
+        console.print(f"prediction: {note}", soft_wrap=True, highlight=False)

@@ -8,6 +8,7 @@ from harness.cli.common import SpecAwareGroup
 from harness.cli.decide import pareto, recommend, report, timeline
 from harness.cli.fit import fit
 from harness.cli.plan import estimate, validate
+from harness.cli.replay import replay
 from harness.cli.results import results
 from harness.cli.run import sweep, worker
 
@@ -23,6 +24,7 @@ for command in (
     validate,
     estimate,
     fit,
+    replay,
     sweep,
     worker,
     results,

@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from harness.cli.common import emit
-from harness.spec import load_spec, points
+from harness.cli.common import card_options, emit, prediction_target
+from harness.spec import load_spec, points, with_card
 from harness.units import format_bytes
 
 
@@ -60,19 +60,23 @@ def validate(specs: tuple[Path, ...]) -> None:
     type=click.Choice(("auto", "cpu", "cuda")),
     default="auto",
     show_default=True,
-    help="Device to predict for; auto: the spec's device (auto there means CUDA if present here). "
-    "CUDA is predicted from any machine, with the allocator's 512-byte rounding.",
+    help="Device to predict for; auto: the spec's device (auto there means CUDA where a card is "
+    "named or present here). CUDA is predicted from any machine, under CUDA's own rules.",
 )
-def estimate(spec_path: Path, fmt: str, device: str) -> None:
-    """Predict every grid point's peak memory and breakdown without running (fake tensors)."""
-    from harness.spec.schema import local_device
+@card_options
+def estimate(
+    spec_path: Path, fmt: str, device: str, card: str | None, cards_file: Path | None
+) -> None:
+    """Predict every grid point's peak memory and breakdown without running (fake tensors).
+
+    For a CUDA card: allocated (tensors and library workspaces), reserved (the caching
+    allocator's segments, its rules replayed on the step's allocations) and device (reserved +
+    the CUDA context + NCCL buffers); fits is judged on the device figure."""
     from harness.sweep.estimate import EstimateError, estimate_grid
     from harness.sweep.run import max_batch_lines, resolve_max_batch
 
-    spec = load_spec(spec_path)
-    target = device if device != "auto" else spec.device.split(":")[0]
-    if target == "auto":
-        target = local_device()
+    spec = with_card(load_spec(spec_path), card, str(cards_file) if cards_file else None)
+    target = prediction_target(spec, device)
     spec = resolve_max_batch(spec, target)  # grid.batch_size: max, for this target
     for line in max_batch_lines(spec):
         click.echo(line, err=True)
@@ -90,7 +94,9 @@ TABLE_COLUMNS = {
     "batch_size": "batch",
     "dtype": "dtype",
     "strategy": "strategy",
-    "predicted_peak_bytes": "peak",
+    "predicted_peak_bytes": "allocated",
+    "predicted_reserved_bytes": "reserved",
+    "predicted_device_bytes": "device",
     "predicted_mem_param_bytes": "params",
     "predicted_mem_grad_bytes": "grads",
     "predicted_mem_optim_bytes": "optim",
@@ -116,9 +122,10 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     fixed = [c for c in ("model_size", "batch_size", "dtype") if frame[c].nunique() == 1]
     columns = [c for c in columns if c not in fixed]
     where = ", ".join(f"{TABLE_COLUMNS[c]} {frame[c].iloc[0]}" for c in fixed)
-    budget = format_bytes(spec.device_memory, short=True) if spec.device_memory else ""
+    budget = format_bytes(spec.memory_budget, short=True) if spec.memory_budget else ""
+    card = f" ({frame['card'].iloc[0]})" if "card" in frame and frame["card"].notna().any() else ""
     table = Table(
-        title=f"{spec.experiment}: predicted peak memory on {target}, nothing run ({where})",
+        title=f"{spec.experiment}: predicted peak memory on {target}{card}, nothing run ({where})",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         collapse_padding=True,
@@ -138,9 +145,15 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     console = make_console()
     console.print(table)
     console.print(
-        "peak = params + grads + optim + activ. + other at the step's worst moment; model state "
-        "= parameters + gradients + optimizer state as built; closed form = the same from "
-        "textbook bytes per parameter; trainable = parameters that get gradients",
+        "allocated = params + grads + optim + activ. + other at the step's worst moment"
+        + (
+            "; reserved = the caching allocator's segments at their peak; device = reserved + "
+            "CUDA context + NCCL buffers, what the card must hold (fits is judged on it)"
+            if "predicted_device_bytes" in frame
+            else ""
+        )
+        + "; model state = parameters + gradients + optimizer state as built; closed form = the "
+        "same from textbook bytes per parameter; trainable = parameters that get gradients",
         highlight=False,
     )
     for reason in reasons:

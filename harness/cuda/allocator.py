@@ -664,6 +664,7 @@ class CachingAllocator:
         self._segments: dict[int, _Segment] = {}
         self._n_expandable = 0
         self._next_addr = _ADDRESS_BASE
+        self._placed: int | None = None  # place_next_segment's address, for one cudaMalloc
         self._decisions: list[Decision] = []
         self._mark = 0
         self._allocated = 0
@@ -718,6 +719,15 @@ class CachingAllocator:
         return self._allowed
 
     # -- the public calls ---------------------------------------------------------------------
+
+    def place_next_segment(self, address: int | None) -> None:
+        """The next fixed segment cudaMalloc makes goes at ``address`` (once), not above the
+        others: a replay follows a recorded card whose driver returned lower or reused
+        addresses, which decides best fit's ties (the lowest address wins). The caller makes
+        sure the range is free; None withdraws it."""
+        if address is not None and address % kSmallBuffer:
+            raise ValueError(f"segment address {address:#x} (allowed: a multiple of 2 MiB)")
+        self._placed = address
 
     def malloc(self, size: int, stream: int = 0) -> int:
         """``DeviceCachingAllocator::malloc``: the address of a block of at least ``size``.
@@ -1121,8 +1131,9 @@ class CachingAllocator:
             return self._try_allocate_expandable_block(pool, size, stream, small)
         if self._capacity is not None and self._reserved + alloc_size > self._capacity:
             return None
-        address = _align(self._next_addr)
-        self._next_addr = address + alloc_size
+        address = self._placed if self._placed is not None else _align(self._next_addr)
+        self._placed = None
+        self._next_addr = max(self._next_addr, _align(address + alloc_size))
         seg = _Segment(address, alloc_size, stream, small, False, 0)
         self._segments[address] = seg
         block = _Block(address, alloc_size, stream, small, seg)

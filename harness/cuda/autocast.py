@@ -364,6 +364,23 @@ def _promote_type(values: list[Any]) -> torch.dtype:
     return current
 
 
+def _with_defaults(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any]:
+    """Every positional argument of ``op``'s schema, defaults filled in: a C++ wrapper gets them
+    all, a Python kernel only those the caller passed, and the overload redispatched to (with
+    its dtype appended) requires them."""
+    values = []
+    for index, argument in enumerate(a for a in op._schema.arguments if not a.kwarg_only):
+        if index < len(args):
+            values.append(args[index])
+        elif argument.name in kwargs:
+            values.append(kwargs[argument.name])
+        else:
+            values.append(argument.default_value)
+    return values
+
+
 def _kernel(name: str, cache: _CastCache, unclassified: set[str]) -> Callable[..., Any]:
     """The ``AutocastCPU`` kernel applying ``name``'s CUDA rule as CUDA's wrapper does
     (autocast excluded below it, casts recorded by autograd); an op whose rule could not be
@@ -411,7 +428,7 @@ def _kernel(name: str, cache: _CastCache, unclassified: set[str]) -> Callable[..
             assert rule.redispatch is not None  # fp32_append_dtype
             redispatch = overload(rule.redispatch)
             out_type = torch.float32 if _eligible(first) else first.dtype
-            return redispatch(*args, **kwargs, dtype=out_type)
+            return redispatch(*_with_defaults(op, args, kwargs), dtype=out_type)
 
     def cast_all_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         return {k: cast_all(v, torch.float32) for k, v in kwargs.items()}

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from harness.cuda.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
 from harness.cuda.cards import MIB, Card
 
-FREE = -1  # AllocationLog's free marker
+FREE = -1  # AllocationLog's markers: a free, and torch.cuda.empty_cache()
+EMPTY_CACHE = -2
 
 # NCCL's buffers for one communicator, per rank: an estimate. NCCL allocates them outside
 # PyTorch's allocator: per channel and peer connection a Simple (4 MiB, NCCL_BUFFSIZE), LL
@@ -56,7 +57,7 @@ class DeviceMemory:
     reserved: int
     context: int
     nccl: int
-    fragmentation: int  # reserved - allocated at the peak reservation
+    fragmentation: int  # peak reserved - peak allocated: what the cache holds beyond tensors
     alloc_retries: int  # times the replayed allocator freed its cache and retried
     fits: bool | None  # within the budget; None: no budget
 
@@ -88,7 +89,9 @@ def replay(
 
     def run(events: Iterable[tuple[int, int]]) -> None:
         for ident, size in events:
-            if size == FREE:
+            if size == EMPTY_CACHE:
+                allocator.empty_cache()
+            elif size == FREE:
                 address = addresses.pop(ident, None)
                 if address is not None:
                     allocator.free(address)
@@ -127,7 +130,7 @@ def device_memory(
         reserved=allocator.peak_reserved_bytes,
         context=context,
         nccl=nccl,
-        fragmentation=allocator.fragmentation_bytes,
+        fragmentation=allocator.peak_reserved_bytes - allocator.peak_allocated_bytes,
         alloc_retries=allocator.num_alloc_retries,
         fits=fits,
     )

@@ -12,7 +12,8 @@ allocation, which is what ``resize_`` does on CUDA.
 ``register`` files tensors that exist before the log starts (the model's parameters and
 buffers as ``.to("cuda")`` would allocate them, in module order). ``on_op`` lets the caller add
 allocations a kernel makes outside any output (cuBLAS workspaces). Events are
-``(allocation id, bytes)`` for an allocation and ``(allocation id, -1)`` for its free.
+``(allocation id, bytes)`` for an allocation, ``(allocation id, FREE)`` for its free and
+``(-1, EMPTY_CACHE)`` where the cache is emptied.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from harness.meters.accounting import get_untyped_storages
 
 FREE = -1
+EMPTY_CACHE = -2  # the size of an event that is torch.cuda.empty_cache(), not an allocation
 Event = tuple[int, int]
 
 
@@ -71,6 +73,10 @@ class AllocationLog(TorchDispatchMode):
         """File tensors made before the log started, in the order given."""
         for tensor in tensors:
             self._saw(tensor)
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()`` at this point (the trial calls it after building)."""
+        self.events.append((-1, EMPTY_CACHE))
 
     def allocate(self, nbytes: int) -> None:
         """An allocation no tensor shows (a library workspace), never freed."""

@@ -8,7 +8,14 @@ into one ``TrialConfig`` per grid point.
 """
 
 from harness.spec.errors import SpecError
-from harness.spec.grid import grid_hash, on_hardware, points, trial_config, trial_configs
+from harness.spec.grid import (
+    grid_hash,
+    on_hardware,
+    points,
+    trial_config,
+    trial_configs,
+    with_card,
+)
 from harness.spec.load import load_spec, parse_spec
 from harness.spec.schema import Spec
 
@@ -22,4 +29,5 @@ __all__ = [
     "points",
     "trial_config",
     "trial_configs",
+    "with_card",
 ]

@@ -8,6 +8,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from harness.cuda.cards import CATALOGUE
+from harness.spec.errors import SpecError, did_you_mean
 from harness.spec.schema import MAX_BATCH, Spec
 from harness.strategies import STRATEGIES, batch_step, parse_term
 from harness.trial.config import TrialConfig
@@ -65,7 +67,7 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         memory_steps=spec.measure.memory_steps,
         timed_steps=spec.measure.timed_steps,
         device=spec._hardware["device"] if spec._hardware else spec.device,
-        device_memory_bytes=spec.device_memory,
+        device_memory_bytes=spec.memory_budget,
         model_loss=spec.model.loss,
         hardware=dict(spec._hardware) if spec._hardware else None,
         lora=spec.train.lora.model_dump() if uses_adapters(point["strategy"]) else None,
@@ -74,6 +76,8 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         timeline=spec.measure.timeline,
         allocator_snapshot=spec.measure.allocator_snapshot,
         batch_size_search=batch_size_search,
+        card=card.to_dict() if (card := spec.card_entry) is not None else None,
+        allocator=spec.allocator,
     )
 
 
@@ -102,6 +106,30 @@ def with_max_batch(spec: Spec, found: dict[tuple[str, str, str], dict[str, Any]]
     copy._source = spec._source
     copy._hardware = dict(spec._hardware) if spec._hardware is not None else None
     copy._max_batch = dict(found)
+    return copy
+
+
+def with_card(spec: Spec, card: str | None, cards: str | None = None) -> Spec:
+    """The spec planned for another card (``--card``, ``--cards``: a cards file relative to the
+    working directory); ``SpecError`` naming the option when the card is unknown."""
+    from harness.spec.load import resolve_cards
+
+    if card is None and cards is None:
+        return spec
+    update: dict[str, Any] = {}
+    if card is not None:
+        update["card"] = card
+    if cards is not None:
+        update["cards"] = str(Path(cards).resolve())
+    copy = spec.model_copy(update=update)
+    copy.__pydantic_private__ = dict(spec.__pydantic_private__ or {})
+    resolve_cards(copy, spec._source)
+    known = sorted({*CATALOGUE, *copy._cards})
+    if copy.card is not None and copy.card.lower() not in known:
+        raise SpecError(
+            f"--card: unknown card {copy.card!r} (known: {', '.join(known)})"
+            f"{did_you_mean(copy.card, known)}"
+        )
     return copy
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from harness.cuda.cards import CATALOGUE
+from harness.spec.cards import load_cards
 from harness.spec.errors import FieldProblem, SpecError, did_you_mean
 from harness.spec.schema import Spec
 from harness.workloads import is_user_code
@@ -122,7 +124,24 @@ def parse_spec(data: Any, source: str = "<spec>") -> Spec:
     except ValidationError as error:
         raise SpecError("\n".join(format_error(source, e) for e in error.errors())) from None
     spec._source = source
+    resolve_cards(spec, source)
     return spec
+
+
+def resolve_cards(spec: Spec, source: str) -> None:
+    """Read the spec's ``cards`` file (relative to the spec's folder) and check ``card`` names
+    one of them or the catalogue."""
+    if spec.cards is None:
+        return
+    base = Path(source).resolve().parent if source not in ("", "<spec>") else Path.cwd()
+    path = Path(spec.cards) if Path(spec.cards).is_absolute() else base / spec.cards
+    spec._cards = load_cards(path)
+    known = sorted({*CATALOGUE, *spec._cards})
+    if spec.card is not None and spec.card.lower() not in known:
+        raise SpecError(
+            f"{source}: card: unknown card {spec.card!r} (known: {', '.join(known)})"
+            f"{did_you_mean(spec.card, known)}"
+        )
 
 
 def load_spec(path: str | Path) -> Spec:

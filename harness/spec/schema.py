@@ -35,6 +35,8 @@ from harness.contract import (
     DTYPES,
     SPEC_OPTIMIZERS,
 )
+from harness.cuda.allocator import AllocatorConfig
+from harness.cuda.cards import CATALOGUE, Card
 from harness.metrics import METRICS
 from harness.spec.errors import FieldProblem, did_you_mean, require_known
 from harness.units import parse_bytes, parse_seconds
@@ -383,6 +385,14 @@ def _bytes(value: Any) -> int:
     return parse_bytes(value)
 
 
+def _allocator(value: str | None) -> str | None:
+    """PYTORCH_CUDA_ALLOC_CONF text, checked by the allocator model's own parser (the rules
+    the installed PyTorch validates by); kept as written."""
+    if value is not None:
+        AllocatorConfig.parse(value)
+    return value
+
+
 class LimitsSpec(Strict):
     trial_timeout: Annotated[Any, AfterValidator(_seconds)] = 600.0
     retries: int = Field(0, ge=0, le=10)
@@ -459,6 +469,13 @@ class Spec(Strict):
     measure: MeasureSpec = MeasureSpec()
     device: str = "auto"
     device_memory: Annotated[Any, AfterValidator(_bytes)] | None = None
+    # The card planned for (``harness.cuda.cards``: a catalogue name or one of ``cards``); its
+    # memory is the budget when device_memory is not set.
+    card: str | None = None
+    cards: str | None = None  # a YAML file of your own cards, relative to the spec
+    # The CUDA caching allocator's settings, PYTORCH_CUDA_ALLOC_CONF syntax
+    # ("expandable_segments:True,max_split_size_mb:128"): set for every trial, and predicted.
+    allocator: Annotated[str | None, AfterValidator(_allocator)] = None
     search: SearchSpec = SearchSpec()
     limits: LimitsSpec = LimitsSpec()
     tracking: TrackingSpec = TrackingSpec()
@@ -472,6 +489,8 @@ class Spec(Strict):
     # (model size, dtype, strategy) the batch it trains at and how it was found
     # (``{"batch_size": int, "search": str}``). Empty: not resolved.
     _max_batch: dict[tuple[str, str, str], dict[str, Any]] = PrivateAttr(default_factory=dict)
+    # Set by parse_spec from ``cards`` (``harness.spec.cards``): the user's own cards by name.
+    _cards: dict[str, Card] = PrivateAttr(default_factory=dict)
 
     @field_validator("name")
     @classmethod
@@ -546,11 +565,22 @@ class Spec(Strict):
 
     @model_validator(mode="after")
     def max_batch_needs_a_budget(self) -> Spec:
-        if MAX_BATCH in self.grid.batch_size and self.device_memory is None:
+        if MAX_BATCH in self.grid.batch_size and self.device_memory is None and not self.card:
             raise FieldProblem(
                 ["grid", "batch_size", self.grid.batch_size.index(MAX_BATCH)],
                 f"{MAX_BATCH} is the largest batch that fits device_memory, which is not set: "
-                "set device_memory (e.g. 16GiB) or list integers",
+                "set device_memory (e.g. 16GiB) or a card (e.g. h100-80gb), or list integers",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def card_is_known(self) -> Spec:
+        """A catalogue card is checked here; one from ``cards`` once that file is read."""
+        if self.card is not None and self.cards is None and self.card.lower() not in CATALOGUE:
+            raise FieldProblem(
+                ["card"],
+                f"unknown card {self.card!r} (known: {', '.join(sorted(CATALOGUE))}; or add "
+                f"your own in a file named by cards:){did_you_mean(self.card, list(CATALOGUE))}",
             )
         return self
 
@@ -568,6 +598,23 @@ class Spec(Strict):
     @property
     def experiment(self) -> str:
         return self.tracking.experiment or self.name
+
+    @property
+    def card_entry(self) -> Card | None:
+        """The planned card, from the user's cards or the catalogue; None when none is named."""
+        if self.card is None:
+            return None
+        name = self.card.lower()
+        return self._cards.get(name) or CATALOGUE[name]
+
+    @property
+    def memory_budget(self) -> int | None:
+        """Bytes a trial may use: ``device_memory``, the named card's memory, or the smaller
+        of the two when both are given (a budget cannot exceed the card)."""
+        card = self.card_entry
+        budgets = [int(self.device_memory)] if self.device_memory is not None else []
+        budgets += [card.memory_bytes] if card is not None else []
+        return min(budgets) if budgets else None
 
     def axes(self) -> dict[str, list[Any]]:
         """The grid's axes in order (``harness.contract.AXES``); the trials are their product."""

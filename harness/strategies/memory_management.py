@@ -28,6 +28,16 @@ from harness.workloads.convert import convert
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
+def merge_conf(first: str, second: str) -> str:
+    """``second``'s options over ``first``'s (``k:v,k:v``), each key once, in order."""
+    merged = first
+    for part in second.split(","):
+        if part.strip():
+            key, _, value = part.partition(":")
+            merged = with_option(merged, key.strip(), value.strip())
+    return merged
+
+
 def with_option(conf: str, key: str, value: str) -> str:
     """``conf`` (``k:v,k:v``) with ``key`` set to ``value``, the other options kept in order."""
     options = [part.strip() for part in conf.split(",") if part.strip()]

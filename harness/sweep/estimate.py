@@ -25,6 +25,8 @@ COLUMNS = [
     "dtype",
     "strategy",
     "predicted_peak_bytes",
+    "predicted_reserved_bytes",
+    "predicted_device_bytes",
     "predicted_mem_param_bytes",
     "predicted_mem_grad_bytes",
     "predicted_mem_optim_bytes",
@@ -35,6 +37,10 @@ COLUMNS = [
     "korthikanti_activation_bytes",
     "num_params",
     "fits",
+    "card",
+    "predicted_context_bytes",
+    "predicted_nccl_bytes",
+    "predicted_fragmentation_bytes",
     "device",
     "trial_key",
     "estimate_seconds",
@@ -94,7 +100,9 @@ def run_trial_tool(module: str, request: dict[str, Any], what: str, processes: i
 
 def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:
     """One row per grid point, in grid order: the prediction for ``target`` (cpu | cuda),
-    whether it ``fits`` in ``device_memory``, and the closed-form cross-checks."""
+    whether it ``fits`` the budget (``device_memory``, else the card's memory), and the
+    closed-form cross-checks. A CUDA target is judged on ``predicted_device_bytes`` (what the
+    card holds: reserved segments + context + NCCL), a CPU one on the allocated peak."""
     configs = trial_configs(spec)
     print(f"estimating {len(configs)} trials for {target} ...", file=sys.stderr, flush=True)
     request = {"device": target, "configs": [c.to_dict() for c in configs]}
@@ -104,7 +112,18 @@ def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:
     frame["dtype"] = [c.dtype for c in configs]
     frame["strategy"] = [c.strategy_text for c in configs]
     frame["device"] = target
-    if spec.device_memory and "predicted_peak_bytes" in frame:
-        predicted = frame["predicted_peak_bytes"]
-        frame["fits"] = (predicted <= spec.device_memory).astype("boolean").where(predicted.notna())
+    judged = judged_column(frame)
+    budget = spec.memory_budget
+    if budget and judged is not None:
+        predicted = frame[judged]
+        frame["fits"] = (predicted <= budget).astype("boolean").where(predicted.notna())
     return frame.reindex(columns=[c for c in COLUMNS if c in frame.columns])
+
+
+def judged_column(frame: pd.DataFrame) -> str | None:
+    """The prediction a budget is held against: the device figure where there is one (CUDA),
+    else the allocated peak."""
+    for column in ("predicted_device_bytes", "predicted_peak_bytes"):
+        if column in frame:
+            return column
+    return None

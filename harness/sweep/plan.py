@@ -193,7 +193,7 @@ def objective_values(spec: Spec, result: TrialResult) -> list[float] | None:
     """
     metrics = result.metrics
     over = result.status in OVER_BUDGET
-    peak = metrics.get("peak_allocated_bytes") or metrics.get("predicted_peak_bytes")
+    peak = judged_peak(metrics)
     values = []
     for objective in spec.search.objectives:
         value = metrics.get(objective.metric)
@@ -201,20 +201,34 @@ def objective_values(spec: Spec, result: TrialResult) -> list[float] | None:
             if objective.direction == "maximize":
                 value = 0.0
             elif objective.metric.endswith("_bytes"):
-                value = peak or spec.device_memory
+                value = peak or spec.memory_budget
         if value is None or not math.isfinite(value):
             return None
         values.append(float(value))
     return values
 
 
+def judged_peak(metrics: dict[str, float]) -> float | None:
+    """The figure a card runs out on: measured, the allocator's reservation (CUDA) or the
+    tensors' peak (CPU); predicted, the device figure (CUDA) or the allocated one (CPU)."""
+    for name in (
+        "peak_reserved_bytes",
+        "peak_allocated_bytes",
+        "predicted_device_bytes",
+        "predicted_peak_bytes",
+    ):
+        if metrics.get(name):
+            return metrics[name]
+    return None
+
+
 def memory_constraint(spec: Spec, result: TrialResult) -> float:
-    """``peak / device_memory - 1``: feasible when <= 0. Over budget is always > 0."""
-    metrics = result.metrics
-    peak = metrics.get("peak_allocated_bytes") or metrics.get("predicted_peak_bytes")
+    """``peak / budget - 1``: feasible when <= 0. Over budget is always > 0."""
+    peak = judged_peak(result.metrics)
     over = result.status in OVER_BUDGET
-    if spec.device_memory and peak:
-        violation = peak / spec.device_memory - 1.0
+    budget = spec.memory_budget
+    if budget and peak:
+        violation = peak / budget - 1.0
         return max(violation, 1e-9) if over else violation
     return 1.0 if over else 0.0
 

@@ -89,7 +89,7 @@ def sweep_params(spec: Spec) -> dict[str, str]:
         **{f"axis_{name}": ",".join(map(str, values)) for name, values in axes.items()},
         "budget": ",".join(f"{k}={v}" for k, v in spec.train.budget.as_dict().items()),
         "device": spec.device,
-        "device_memory_bytes": str(spec.device_memory or ""),
+        "device_memory_bytes": str(spec.memory_budget or ""),
         "search_method": spec.search.method,
         # What `harness pareto` compares by default, e.g. "peak_allocated_bytes:min,throughput:max".
         "objectives": ",".join(
@@ -224,7 +224,7 @@ def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
     from harness.sweep.fit import default_jobs, fit_configs, upper_bound
 
     target = (target or (spec._hardware or {}).get("device") or spec.device).split(":")[0]
-    budget = int(spec.device_memory or 0)
+    budget = int(spec.memory_budget or 0)
     keys = list(itertools.product(spec.model.sizes, spec.grid.dtype, spec.grid.strategy))
     points_at_step = [  # at the smallest allowed batch; the search sets its own
         {"model_size": m, "batch_size": batch_step(g.split("+")), "dtype": d, "strategy": g}

@@ -18,13 +18,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def emulate_card(device: torch.device, budget: int | None) -> None:
-    """Cap this process at the planned card's size, so a too-big trial really OOMs (CUDA only)."""
+def emulate_card(device: torch.device, budget: int | None, outside: int = 0) -> None:
+    """Cap this process's caching allocator at what the planned card leaves it (``budget``
+    minus ``outside``: the card's context and NCCL buffers, as predicted), so a trial too big
+    for that card really runs out of memory here (CUDA only)."""
     if device.type != "cuda" or budget is None:
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    if budget < total:
-        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    allowed = budget - outside
+    if allowed < total:
+        torch.cuda.set_per_process_memory_fraction(max(allowed, 0) / total, device)
 
 
 def device_name(device: torch.device) -> str:

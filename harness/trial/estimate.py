@@ -145,7 +145,8 @@ class Predictor:
             stack.enter_context(ValuesReadAsOne())
             setup = build_setup(config, self.device, ranks, self.info, None)
             stack.enter_context(libraries_run_eagerly())  # now that the model's code is loaded
-            if self.log is not None:  # as .to("cuda") places them, in module order
+            if self.log is not None:  # the trial empties the cache after building (run.py),
+                self.log.empty_cache()  # then the parameters as .to("cuda") placed them
                 self.log.register([*setup.model.parameters(), *setup.model.buffers()])
             # One warm-up step: the optimizer state now exists.
             setup.train_step(setup.to_device(self.info.example_batch(config.batch_size)))

@@ -57,7 +57,13 @@ def axis_step(config: TrialConfig, axis: str) -> int:
 
 
 class Curve:
-    """Predictions of one configuration along the axis, cached, counted."""
+    """Predictions of one configuration along the axis, cached, counted.
+
+    ``key`` is the figure judged against a budget: the allocated peak (CPU), or for a CUDA
+    target the device figure (the caching allocator's reservation + context + NCCL), what a
+    card runs out on."""
+
+    key = "predicted_peak_bytes"
 
     def __init__(self, predict: Callable[[int], dict[str, Any]], step: int) -> None:
         self.predict_at = predict
@@ -76,7 +82,7 @@ class Curve:
         return self.cache[value]
 
     def peak(self, value: int) -> float | None:
-        return self(value).get("predicted_peak_bytes")
+        return self(value).get(self.key)
 
     def fits(self, value: int, budget: float) -> bool:
         peak = self.peak(value)
@@ -86,8 +92,20 @@ class Curve:
         """Whether a cached value fits (None: not predictable), not counted as a read:
         scanning the cache for a bracket costs this answer nothing (else every answer after
         the first would count all earlier budgets' predictions as its own)."""
-        peak = self.cache[value].get("predicted_peak_bytes")
+        peak = self.cache[value].get(self.key)
         return None if peak is None else peak <= budget
+
+    def overhead(self, values: list[int]) -> float:
+        """How far the judged figure lies above the allocated peak (the allocator's cached
+        segments and what lives outside it), the most at any of ``values``: what the
+        allocated moments' model must leave free of the budget."""
+        if self.key == "predicted_peak_bytes":
+            return 0.0
+        return max(
+            self.cache[v][self.key] - self.cache[v]["predicted_peak_bytes"]
+            for v in values
+            if v in self.cache and self.key in self.cache[v]
+        )
 
 
 # Where the curve is probed, in allowed steps: two for lines (batch), three for parabolas
@@ -172,7 +190,7 @@ def first_guess(curve: Curve, budget: float, top: int, probes: list[int]) -> int
     line; a parabola through three)."""
     moments = Moments.of(curve, probes)
     if moments is not None:
-        return moments.largest_fitting(budget, curve.step, top)
+        return moments.largest_fitting(budget - curve.overhead(probes), curve.step, top)
     if len(probes) >= 3:
         root = quadratic_guess(curve, budget, probes[:3])
     elif len(probes) == 2:
@@ -304,6 +322,8 @@ def answers(
     if "predicted_peak_bytes" not in first:  # unpredictable or refused: the same at any value
         reads = len(curve.reads)
         return [{"budget_bytes": b, "value": None, **first, "predictions": reads} for b in budgets]
+    if "predicted_device_bytes" in first:  # a CUDA target: judged on what the card holds
+        curve.key = "predicted_device_bytes"
     rows = []
     for budget in budgets:
         curve.reads = set()
@@ -313,13 +333,16 @@ def answers(
         if value:
             at = curve(value)
             row.update({k: v for k, v in at.items() if k.startswith("predicted_")})
-            row["margin_bytes"] = budget - at["predicted_peak_bytes"]
+            row.update({k: at[k] for k in ("card", "note") if k in at})
+            row["margin_bytes"] = budget - at[curve.key]
         # Predictions this answer consulted (shared ones computed once): its cost alone.
         row["predictions"] = len(curve.reads)
         nxt = value + curve.step
         if nxt <= maximum:
             row["next_value"] = nxt
-            row["next_predicted_peak_bytes"] = curve.peak(nxt)
+            row["next_predicted_peak_bytes"] = curve(nxt).get("predicted_peak_bytes")
+            if curve.key != "predicted_peak_bytes":
+                row[f"next_{curve.key}"] = curve.peak(nxt)
         rows.append(row)
     return rows
 

@@ -40,6 +40,9 @@ class Measurements:
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=lambda: {"torch_version": torch.__version__})
     loss_history: list[float] = field(default_factory=list)
+    # CUDA: bytes the planned card holds beside the caching allocator (its context, NCCL), as
+    # predicted: the budget left for the allocator is device_memory minus these.
+    outside_bytes: int = 0
 
     @contextlib.contextmanager
     def clock(self, metric: str, device: torch.device | None = None) -> Iterator[None]:
@@ -162,7 +165,13 @@ class TrainingLoop:
             metrics["prediction_ratio"] = (
                 metrics["predicted_peak_bytes"] / reading["peak_allocated_bytes"]
             )
-        check_budget(reading, config.device_memory_bytes)
+        for predicted, measured, ratio in (
+            ("predicted_reserved_bytes", "peak_reserved_bytes", "reserved_prediction_ratio"),
+            ("predicted_device_bytes", "peak_device_bytes", "device_prediction_ratio"),
+        ):
+            if metrics.get(predicted) and reading.get(measured):
+                metrics[ratio] = metrics[predicted] / reading[measured]
+        check_budget(reading, config.device_memory_bytes, self.measured.outside_bytes)
 
     def measure_speed(self, steps: int) -> None:
         setup = self.setup
@@ -231,16 +240,19 @@ class TrainingLoop:
             raise TrialFailure(Status.DIVERGED, f"training loss became {value} at step {step}")
 
 
-def check_budget(reading: dict[str, float], budget: int | None) -> None:
+def check_budget(reading: dict[str, float], budget: int | None, outside: int = 0) -> None:
     """A peak over ``device_memory`` is what that card would do: ``oom``. Compared is the figure
     the card's cap applies to: on CUDA ``set_per_process_memory_fraction`` (``emulate_card``)
-    caps the allocator's reservation, so reserved; on CPU (no allocator counters) allocated."""
+    caps the allocator's reservation, so reserved, beside what the planned card holds outside
+    the allocator (``outside``: its context, NCCL); on CPU (no allocator counters) allocated."""
     if budget is None:
         return
     figure = "reserved" if "peak_reserved_bytes" in reading else "allocated"
-    peak = reading[f"peak_{figure}_bytes"]
+    peak = reading[f"peak_{figure}_bytes"] + (outside if figure == "reserved" else 0)
     if peak > budget:
+        beside = f" + {format_bytes(outside)} context" if outside and figure == "reserved" else ""
         raise TrialFailure(
             Status.OOM,
-            f"peak {figure} {format_bytes(peak)} exceeds device_memory {format_bytes(budget)}",
+            f"peak {figure}{beside} {format_bytes(peak)} exceeds device_memory "
+            f"{format_bytes(budget)}",
         )

@@ -29,6 +29,7 @@ import torch
 
 from harness.meters.host import peak_rss_bytes
 from harness.strategies import build_strategies
+from harness.strategies.memory_management import ALLOC_CONF_VARS, merge_conf
 from harness.trial.config import TrialConfig
 from harness.trial.device import device_name, emulate_card, resolve_device
 from harness.trial.distributed import GroupFailure, Ranks
@@ -102,6 +103,10 @@ def group_failure(
 def train(
     config: TrialConfig, ranks: Ranks, measured: Measurements, output_dir: Path | None
 ) -> None:
+    if config.allocator:  # the spec's allocator settings; strategies' settings merge in below
+        for var in ALLOC_CONF_VARS:
+            if var == "PYTORCH_CUDA_ALLOC_CONF" or var in os.environ:
+                os.environ[var] = merge_conf(os.environ.get(var, ""), config.allocator)
     for strategy in build_strategies(config.strategy):
         os.environ.update(strategy.environment())  # must precede the first CUDA call
     target = ranks.local_device(resolve_device(config.device))
@@ -114,12 +119,14 @@ def train(
         predict(config, target, measured)
     device = ranks.start(target)
     measured.info["device"] = str(device)
-    emulate_card(device, config.device_memory_bytes)
+    emulate_card(device, config.device_memory_bytes, measured.outside_bytes)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     with measured.clock("setup_time_s", device):
         data = load_dataset(config.dataset, config.dataset_options, config.seed, config.python_path)
         setup = build_setup(config, device, ranks, data.info, data)
+        if device.type == "cuda":  # what building left cached (dtype casts, quantization) is
+            torch.cuda.empty_cache()  # not the training step's: the estimate does the same
     measured.info.update(setup.info)
     measured.metrics["num_params"] = float(setup.num_params)
     measured.metrics["num_params_total"] = float(setup.num_params_total)
@@ -136,13 +143,23 @@ def predict(config: TrialConfig, device: torch.device, measured: Measurements) -
         return
     peak = prediction["predicted_peak_bytes"]
     measured.metrics["predicted_peak_bytes"] = peak
+    for name in ("predicted_reserved_bytes", "predicted_device_bytes"):
+        if name in prediction:
+            measured.metrics[name] = prediction[name]
+    if "predicted_device_bytes" in prediction:  # what lives beside the allocator on the card
+        measured.outside_bytes = int(
+            prediction["predicted_context_bytes"] + prediction["predicted_nccl_bytes"]
+        )
+        measured.info["prediction"] = prediction.get("note", "")
     if config.run_infeasible:
         return
     budget = config.device_memory_bytes
-    if budget is not None and peak > budget:
+    judged = prediction.get("predicted_device_bytes", peak)  # CUDA: what the card holds
+    if budget is not None and judged > budget:
+        what = "device bytes (reserved + context)" if judged is not peak else "peak"
         raise TrialFailure(
             Status.INFEASIBLE,
-            f"predicted peak {format_bytes(peak)} exceeds device_memory {format_bytes(budget)}",
+            f"predicted {what} {format_bytes(judged)} exceeds device_memory {format_bytes(budget)}",
         )
     reason = host_guard(peak, device)
     if reason:

@@ -12,6 +12,7 @@ CUDA's attention and dropout kernels (``harness.cuda.autocast``, ``harness.cuda.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from harness.cuda.autocast import cuda_autocast_rules
 from harness.cuda.cards import CATALOGUE, Card, card_for_device_name
 from harness.cuda.kernels import Kernels, attention_note, cuda_kernels, installed_cudnn_version
 from harness.strategies import build_strategies
-from harness.strategies.memory_management import ALLOC_CONF_VARS
+from harness.strategies.memory_management import ALLOC_CONF_VARS, merge_conf
 from harness.trial.config import TrialConfig
 
 ASSUMED_CARD = "a100-80gb"
@@ -41,27 +42,16 @@ class CudaTarget:
 
 
 def allocator_text(config: TrialConfig) -> str:
-    """PYTORCH_CUDA_ALLOC_CONF as the trial sets it: the spec's ``allocator``, then each
-    strategy's setting merged in (``expandable_segments`` adds ``expandable_segments:True``)."""
-    text = config.allocator or ""
+    """PYTORCH_CUDA_ALLOC_CONF as the trial sets it (``run.train``): this process's own, the
+    spec's ``allocator`` over it, then each strategy's setting (``expandable_segments``)."""
+    text = merge_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), config.allocator or "")
     for strategy in build_strategies(config.strategy):
         env = strategy.environment()
         for var in ALLOC_CONF_VARS:
             if var in env:
-                base = env[var]
-                text = _merge(text, base)
+                text = merge_conf(text, env[var])
                 break
     return text
-
-
-def _merge(first: str, second: str) -> str:
-    """``second``'s options over ``first``'s, each key once, in order."""
-    options: dict[str, str] = {}
-    for part in [*first.split(","), *second.split(",")]:
-        if part.strip():
-            key, _, value = part.partition(":")
-            options[key.strip()] = value.strip()
-    return ",".join(f"{k}:{v}" for k, v in options.items())
 
 
 def cuda_target(config: TrialConfig, as_cuda: bool) -> CudaTarget:
