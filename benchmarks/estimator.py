@@ -11,6 +11,8 @@
    ``llama-3.1-8b`` preset (both seq 2048, batch 1, Adam, bf16 autocast), the latter also with
    ``lora:16``: wall time <= 60 s, peak RSS <= 4 GiB (8B: <= 2 GiB), model-state bytes within
    1 % of the closed form (16 B/param; LoRA: the bf16 base + 16 B per adapter parameter).
+3. The 8B estimate for a card (``h100-80gb``: CUDA's rules on CPU kernels and the caching
+   allocator replayed) takes at most 1.2x the plain estimate's time.
 """
 
 from __future__ import annotations
@@ -193,6 +195,58 @@ def large_model(
     ]
 
 
+def timed_estimate(
+    config: TrialConfig, device: str, workdir: Path, name: str
+) -> tuple[float, dict[str, Any]]:
+    """Wall time of a fresh ``python -m harness.trial.estimate`` for ``device``, and its row."""
+    request, answer = workdir / f"{name}-in.json", workdir / f"{name}-out.json"
+    request.write_text(json.dumps({"device": device, "configs": [config.to_dict()]}))
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return time.perf_counter() - started, json.loads(answer.read_text())[0]
+
+
+def card_overhead(log: Callable[[str], None], workdir: Path) -> list[Figure]:
+    """What predicting for a card costs: the 8B Llama estimated for an H100 (CUDA's autocast
+    lists and kernels on CPU kernels, every allocation logged and replayed through the caching
+    allocator, twice when over budget) against the same estimate without any of it (the CPU
+    target, what the estimate cost before cards), fresh processes, alternated, the best of two
+    each (interference only slows a run down)."""
+    from harness.cuda.cards import CATALOGUE
+
+    config = trial_configs(parse_spec(LLAMA_8B))[0]
+    card = dataclasses.replace(config, card=CATALOGUE["h100-80gb"].to_dict())
+    plain, ruled, row = [], [], {}
+    for round_ in range(2):
+        plain.append(timed_estimate(config, "cpu", workdir, f"plain{round_}")[0])
+        seconds, row = timed_estimate(card, "cuda", workdir, f"card{round_}")
+        ruled.append(seconds)
+    ratio = min(ruled) / min(plain)
+    log(
+        f"  llama_8b for h100-80gb: {min(ruled):.1f} s vs {min(plain):.1f} s without the card's "
+        f"rules ({ratio:.2f}x); allocated {format_bytes(row['predicted_peak_bytes'])}, reserved "
+        f"{format_bytes(row['predicted_reserved_bytes'])}, device "
+        f"{format_bytes(row['predicted_device_bytes'])}"
+    )
+    return [
+        at_most(
+            "estimate_llama_8b_card_time_ratio",
+            ratio,
+            1.2,
+            "",
+            note="fresh-process wall time, card rules + allocator replay / plain estimate",
+            card_seconds=ruled,
+            plain_seconds=plain,
+            predicted_reserved_bytes=row["predicted_reserved_bytes"],
+            predicted_device_bytes=row["predicted_device_bytes"],
+        )
+    ]
+
+
 def run(log: Callable[[str], None]) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as folder:
         workdir = Path(folder)
@@ -200,6 +254,8 @@ def run(log: Callable[[str], None]) -> list[Figure]:
         for name, spec, seconds, rss in LARGE:
             log(f"estimator: {name} in a fresh process")
             figures += large_model(name, spec, seconds, rss, log, workdir)
+        log("estimator: the 8B estimate for a card vs without its rules")
+        figures += card_overhead(log, workdir)
         log("estimator: predicted vs measured peak, every trial of the shipped experiments")
         figures += prediction_accuracy(log, workdir)
     return figures

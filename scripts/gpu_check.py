@@ -15,7 +15,11 @@ Modes (``--mode auto`` picks one from ``torch.cuda.is_available()`` in a probe p
   none/checkpoint/lora:8 in fp16, none/lora:8 in fp32; a real CUDA OOM on an emulated 24 GiB card
   (then a clean trial in the same process); the seed article's CNN on CIFAR-shaped synthetic
   data, fp32 and fp16; ``ddp:1`` and ``fsdp:1`` on nccl. Sized for < 8 min on one H200, with a
-  deadline that skips (with a note) what would not start in time.
+  deadline that skips (with a note) what would not start in time. Then every trial that ran is
+  predicted again as a machine without a GPU predicts it for this card (CUDA hidden: CUDA's
+  rules on CPU kernels), and two Llama trials' allocator snapshots are replayed through the
+  allocator model: the table shows predicted / measured allocated, reserved and device bytes
+  for both predictions, the notes the snapshot replays.
 - ``cpu-reduced``: a handful of tiny trials (what CI runs): gpt none/checkpoint in fp32/bf16,
   the CNN, a budget OOM and a clean trial in one process, lora and the Llama where installed.
 
@@ -237,8 +241,10 @@ def plan(mode: str, have: dict[str, bool]) -> list[Check]:
         hf_grid += [("fp16", s) for s in ("none", "checkpoint", "lora:8")]
         hf_grid += [("fp32", s) for s in ("none", "lora:8")]
     for dtype, strategy in hf_grid:
+        # A memory snapshot of the window, replayed through the allocator model afterwards.
+        snapshot = gpu and dtype == "bf16" and strategy in ("none", "expandable_segments")
         config = trial("hf", "tiny-llama", llama, "text", dtype, strategy, 8,
-                       steps=steps, timed_steps=timed)  # fmt: skip
+                       steps=steps, timed_steps=timed, allocator_snapshot=snapshot)  # fmt: skip
         checks.append(Check(f"llama/{dtype}/{strategy}", config, skip=needs("hf", strategy)))
     if not gpu:  # a CPU evaluates the held-out text slowly: 5 % of it, not 20 %
         for check in checks:
@@ -438,6 +444,86 @@ def compare_after_oom(checks: list[Check]) -> None:
         )
 
 
+def cpu_hosted(checks: list[Check], host: dict[str, Any], out: Path, seconds: float) -> None:
+    """Predict the trials that ran as a machine without a GPU predicts them for this card (the
+    trial layer's estimator with CUDA hidden: CPU kernels under CUDA's autocast lists, SDPA and
+    dropout kernels, the allocator replayed), into ``cpu_predicted_*``: what ``harness
+    estimate --card`` on a laptop says, checked against what this card measured."""
+    from harness.cuda.cards import card_for_device_name
+
+    card = card_for_device_name(str(host.get("device_name")))
+    ran = [c for c in checks if c.status == "ok" and c.config is not None and not c.skip]
+    if card is None or not ran or seconds < 30:
+        why = "not in the card catalogue" if card is None else "no time or no trial"
+        print(f"note: cpu-hosted predictions skipped ({host.get('device_name')}: {why})")
+        return
+    configs = [dataclasses.replace(c.config, card=card.to_dict()) for c in ran]
+    request = out / "cpu_hosted_in.json"
+    answer = out / "cpu_hosted_out.json"
+    request.write_text(json.dumps({"device": "cuda", "configs": [c.to_dict() for c in configs]}))
+    env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
+    log = out / "cpu_hosted.log"
+    print(f"  cpu-hosted predictions of {len(ran)} trials for {card.name} ...", flush=True)
+    with log.open("w") as handle:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=max(30.0, seconds),
+                cwd=REPO,
+            )
+        except subprocess.TimeoutExpired:
+            print(f"note: cpu-hosted predictions timed out (log: {log})")
+            return
+    if done.returncode != 0 or not answer.exists():
+        print(f"note: cpu-hosted predictions failed: {last_error(log)}")
+        return
+    for check, row in zip(ran, json.loads(answer.read_text()), strict=True):
+        for _, _, name in FIGURES:
+            if row and name in row:
+                check.metrics["cpu_" + name] = row[name]
+
+
+def replay_snapshots(checks: list[Check], out: Path) -> None:
+    """Each trial's recorded allocator history (``measure.allocator_snapshot``) replayed through
+    the allocator model (``harness replay``'s code, standard library only): the segment
+    decisions it reproduced, the recorded and replayed peak reservation, and what
+    ``expandable_segments:True`` would have reserved."""
+    from harness.cuda.snapshot import SnapshotError, load_snapshot, parse_snapshot, replay_report
+
+    for check in checks:
+        path = out / "trials" / check.folder_name / "memory_snapshot.pickle"
+        if check.skip or not path.exists():
+            continue
+        try:
+            recording = parse_snapshot(load_snapshot(path), path.name)
+            report = replay_report(recording, ["expandable_segments:True"])
+        except (SnapshotError, ValueError) as error:
+            check.notes.append(f"snapshot replay failed: {error}")
+            continue
+        check.info["snapshot_replay"] = {
+            key: report.get(key)
+            for key in (
+                "recorded_peak_reserved_bytes",
+                "predicted_peak_reserved_bytes",
+                "segment_decisions_matched",
+                "segment_decisions_total",
+                "trace_entries",
+            )
+        }
+        expandable = report["what_if"][-1]["peak_reserved_bytes"]
+        check.info["snapshot_replay"]["expandable_peak_reserved_bytes"] = expandable
+        check.notes.append(
+            f"snapshot replay: {report['segment_decisions_matched']}/"
+            f"{report['segment_decisions_total']} segment decisions, peak reserved recorded "
+            f"{size_text(report['recorded_peak_reserved_bytes'])} vs replayed "
+            f"{size_text(report['predicted_peak_reserved_bytes'])}; expandable_segments "
+            f"{size_text(expandable)}"
+        )
+
+
 # --- reporting -----------------------------------------------------------------------------
 
 
@@ -467,17 +553,27 @@ def throughput_text(check: Check) -> str:
     return f"{value:.3g} {unit}"
 
 
-def ratio_text(check: Check) -> str:
-    ratio = check.metrics.get("prediction_ratio")
-    if ratio is None:
-        predicted = check.metrics.get("predicted_peak_bytes")
+# Each measured figure beside its predictions: the trial's own (on this GPU) and the one a
+# machine without a GPU makes for this card (``cpu_*``, CUDA's rules on CPU kernels).
+FIGURES = (
+    ("alloc", "peak_allocated_bytes", "predicted_peak_bytes"),
+    ("reserved", "peak_reserved_bytes", "predicted_reserved_bytes"),
+    ("device", "peak_device_bytes", "predicted_device_bytes"),
+)
+
+
+def ratio(check: Check, measured: str, predicted: str) -> float | None:
+    value, truth = check.metrics.get(predicted), check.metrics.get(measured)
+    return value / truth if value and truth else None
+
+
+def ratios_text(check: Check, prefix: str = "") -> str:
+    """``1.000/1.012/0.998``: predicted / measured for allocated, reserved, device."""
+    found = [ratio(check, m, prefix + p) for _, m, p in FIGURES]
+    if not any(found):
+        predicted = check.metrics.get(prefix + "predicted_peak_bytes")
         return f"pred {size_text(predicted)}" if predicted else "-"
-    return f"{ratio:.3f}x"
-
-
-def mfu_text(check: Check) -> str:
-    mfu = check.metrics.get("mfu")
-    return "-" if mfu is None else f"{100 * mfu:.1f} %"
+    return "/".join("-" if r is None else f"{r:.3f}" for r in found)
 
 
 def wall_text(check: Check) -> str:
@@ -490,9 +586,9 @@ COLUMNS = (
     ("peak alloc", 10, lambda c: size_text(c.metrics.get("peak_allocated_bytes"))),
     ("reserved", 9, lambda c: size_text(c.metrics.get("peak_reserved_bytes"))),
     ("device", 9, lambda c: size_text(c.metrics.get("peak_device_bytes"))),
-    ("pred/meas", 13, ratio_text),
+    ("pred/meas a/r/d", 17, ratios_text),
+    ("cpu-hosted a/r/d", 17, lambda c: ratios_text(c, "cpu_")),
     ("throughput", 16, throughput_text),
-    ("mfu", 6, mfu_text),
     ("wall", 7, wall_text),
 )
 
@@ -522,7 +618,10 @@ def table(checks: list[Check], header: str, footer: str) -> str:
 def summary(checks: list[Check], host: dict[str, Any], elapsed: float) -> dict[str, Any]:
     shown = (
         "peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes", "throughput",
-        "mfu", "predicted_peak_bytes", "prediction_ratio", "allocated_after_bytes",
+        "mfu", "predicted_peak_bytes", "predicted_reserved_bytes", "predicted_device_bytes",
+        "prediction_ratio", "reserved_prediction_ratio", "device_prediction_ratio",
+        "cpu_predicted_peak_bytes", "cpu_predicted_reserved_bytes",
+        "cpu_predicted_device_bytes", "allocated_after_bytes",
     )  # fmt: skip
     return {
         **host,
@@ -544,6 +643,7 @@ def summary(checks: list[Check], host: dict[str, Any], elapsed: float) -> dict[s
                 "problems": c.problems,
                 "notes": c.notes,
                 "throughput_unit": c.info.get("throughput_unit"),
+                "snapshot_replay": c.info.get("snapshot_replay"),
                 "metrics": {k: c.metrics[k] for k in shown if k in c.metrics},
                 "wall_s": None if c.wall_s is None else round(c.wall_s, 2),
                 "folder": f"trials/{c.folder_name}" if not c.skip else None,
@@ -650,6 +750,9 @@ def main(argv: list[str]) -> int:
             )
 
     compare_after_oom(checks)
+    if mode == "gpu":
+        cpu_hosted(checks, host, out, deadline - (time.perf_counter() - start) + 120)
+        replay_snapshots(checks, out)
     elapsed = time.perf_counter() - start
     (out / "summary.json").write_text(json.dumps(summary(checks, host, elapsed), indent=1) + "\n")
     ran = [c for c in checks if not c.skip]
@@ -661,8 +764,6 @@ def main(argv: list[str]) -> int:
                 print(f"note: {check.label}: {note}")
         if check.skip:
             print(f"note: {check.label}: skipped: {check.skip}")
-    if not any("mfu" in c.metrics for c in ran):
-        print("note: mfu: not reported by this harness version (shown as -)")
     for check in bad:
         for problem in check.problems:
             print(f"UNEXPECTED: {check.label}: {problem}")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.cuda.allocator import AllocatorConfig
 from harness.cuda.autocast import (
     Policy,
     _cuda_autocast_enabled,
@@ -23,7 +24,6 @@ from harness.cuda.autocast import (
 )
 from harness.cuda.cards import CATALOGUE
 from harness.cuda.device_memory import device_memory, nccl_bytes
-from harness.cuda.allocator import AllocatorConfig
 from harness.cuda.kernels import AttentionCall, choose_backend, cuda_kernels
 
 BF16 = torch.bfloat16
@@ -99,9 +99,12 @@ def test_promote_ops_run_in_the_widest_input_type():
 
 
 def test_banned_ops_refuse_as_on_cuda():
-    with cuda_autocast_rules(), torch.autocast("cpu", dtype=BF16):
-        with pytest.raises(RuntimeError, match="unsafe to autocast"):
-            F.binary_cross_entropy(torch.rand(4), torch.rand(4))
+    with (
+        cuda_autocast_rules(),
+        torch.autocast("cpu", dtype=BF16),
+        pytest.raises(RuntimeError, match="unsafe to autocast"),
+    ):
+        F.binary_cross_entropy(torch.rand(4), torch.rand(4))
 
 
 def test_the_rules_are_the_installed_pytorchs_own():
@@ -197,7 +200,7 @@ def test_fused_attention_saves_a_log_sum_exp_where_cpu_saves_scores():
         ]
     assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionBackward0"
     assert kernels.backends == Counter({"flash": 1})
-    assert all(256 * 256 > t.numel() // 4 for t in saved)  # nothing of seq^2 per head
+    assert all(t.numel() // 4 < 256 * 256 for t in saved)  # nothing of seq^2 per head
     assert any(t.dtype == torch.float32 and t.shape == (1, 4, 256) for t in saved)
 
 

@@ -83,3 +83,48 @@ def test_cpu_reduced_check_passes_and_prints_its_table_last(tmp_path):
     assert all(row.split()[1] == t["status"] for row, t in zip(rows, trials, strict=True))
     ran = sum(t["status"] != "skipped" for t in trials)
     assert lines[-1] == f"mode: cpu-reduced: all {ran} trials ended as expected"
+
+
+def load_check_module():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trials_that_ran_on_a_card_are_predicted_again_as_a_cpu_predicts_them(tmp_path):
+    """The GPU check's cpu-hosted pass (what `harness estimate --card` says on a laptop), run
+    here on trials that 'ran' on an H100: the estimator child with CUDA hidden gives all three
+    figures for that card."""
+    gpu_check = load_check_module()
+    checks = [c for c in gpu_check.plan("cpu-reduced", {"transformers": True, "peft": True})]
+    ran = [c for c in checks if c.label in ("gpt/bf16/none", "gpt/fp32/checkpoint")]
+    for check in ran:
+        check.status = "ok"
+    gpu_check.cpu_hosted(ran, {"device_name": "NVIDIA H100 80GB HBM3"}, tmp_path, 600)
+    for check in ran:
+        allocated = check.metrics["cpu_predicted_peak_bytes"]
+        reserved = check.metrics["cpu_predicted_reserved_bytes"]
+        device = check.metrics["cpu_predicted_device_bytes"]
+        assert 0 < allocated <= reserved < device
+        assert allocated > 32 * 2**20  # the H100's 32 MiB cuBLAS workspaces are allocated
+
+
+def test_recorded_snapshots_are_replayed_through_the_allocator_model(tmp_path):
+    from harness.cuda.allocator import AllocatorConfig
+    from tests.test_replay import record, training_steps, write
+
+    gpu_check = load_check_module()
+    check = gpu_check.Check("llama/bf16/none", None)
+    snapshot, truth = record(training_steps(), AllocatorConfig(), start_at=40)
+    (tmp_path / "trials" / check.folder_name).mkdir(parents=True)
+    write(tmp_path / "trials" / check.folder_name / "memory_snapshot.pickle", snapshot)
+    gpu_check.replay_snapshots([check], tmp_path)
+    replayed = check.info["snapshot_replay"]
+    assert replayed["recorded_peak_reserved_bytes"] == truth["peak_reserved"]
+    assert replayed["predicted_peak_reserved_bytes"] == truth["peak_reserved"]
+    assert replayed["segment_decisions_matched"] == replayed["segment_decisions_total"]
+    assert any(note.startswith("snapshot replay:") for note in check.notes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from harness.cli.cards import cards
 from harness.cli.common import SpecAwareGroup
 from harness.cli.decide import pareto, recommend, report, timeline
 from harness.cli.fit import fit
@@ -24,6 +25,7 @@ for command in (
     validate,
     estimate,
     fit,
+    cards,
     replay,
     sweep,
     worker,

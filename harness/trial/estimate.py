@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.contract import OPTIMIZER_STATE_BYTES
-from harness.cuda.device_memory import FREE, device_memory
+from harness.cuda.device_memory import FREE, DeviceMemory, device_memory
 from harness.cuda.kernels import Workspaces
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.allocations import AllocationLog
@@ -42,6 +42,10 @@ from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
 UNPREDICTABLE = {"adam8bit": "its step is compiled code, which cannot run on fake tensors"}
+# Under this key a fit prediction (``totals=True``) of a CUDA target keeps what its device
+# figures were replayed from, so a search can judge it against other budgets
+# (``replay_for_budget``); not JSON, never written out.
+REPLAY = "replay"
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
 
 
@@ -83,8 +87,10 @@ class Predictor:
     storage's allocation and free, in order, from the model's parameters through the warm-up
     step and the window (``AllocationLog``), replayed through the caching allocator's rules for
     ``predicted_reserved_bytes``; plus the context and NCCL buffers for
-    ``predicted_device_bytes``. cuBLAS workspaces, which the allocator serves, count as
-    allocated (*other*). Without a GPU the step runs under CUDA's autocast lists and kernels.
+    ``predicted_device_bytes``; the allocated figure is the replayed allocator's too, which counts
+    the cuBLAS workspaces it serves and the block remainders too small to split, as
+    ``max_memory_allocated`` does (*other* in the breakdown). Without a GPU the step runs under
+    CUDA's autocast lists and kernels.
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class Predictor:
         self.kernels: Any = None  # the CUDA kernels' choices (emulated targets)
         self.history_end = 0  # events before the first window (parameters, warm-up step)
         self.history_live: set[int] = set()  # allocations alive then
+        self.tracked_peak = 0.0  # the last window's peak by tensor accounting alone
 
     def __enter__(self) -> Predictor:
         return self
@@ -220,20 +227,33 @@ class Predictor:
         if window.totals_tracker is not None:
             prediction["totals"] = window.totals_tracker.totals
         if self.log is not None and self.target is not None and self.workspaces is not None:
-            # The allocator serves cuBLAS's workspaces: allocated bytes tensors do not show.
-            prediction["predicted_peak_bytes"] += self.workspaces.total
-            prediction["predicted_mem_other_bytes"] += self.workspaces.total
             memory = device_memory(
                 history,
                 self.log.events[start:],
                 self.target.allocator,
                 self.target.card,
                 config.world_size,
-                self.target.budget(config),
+                # A fit search judges each of its budgets itself (REPLAY): unbounded here.
+                None if self.totals else self.target.budget(config),
             )
             prediction.update(memory.metrics())
+            # max_memory_allocated counts blocks as the allocator hands them out: with the
+            # cuBLAS workspaces it serves and the remainders too small to split off, which
+            # tensor accounting does not see; they count as "other", as a measurement's do.
+            self.tracked_peak = prediction["predicted_peak_bytes"]
+            prediction["tracked_peak_bytes"] = self.tracked_peak  # what fit's moments model
+            prediction["predicted_peak_bytes"] = float(memory.allocated)
+            prediction["predicted_mem_other_bytes"] += memory.allocated - self.tracked_peak
             prediction["card"] = self.target.card.name
             prediction["note"] = target_note(self.target, self.kernels)
+            if self.totals:
+                prediction[REPLAY] = (
+                    history,
+                    self.log.events[start:],
+                    self.target.allocator,
+                    self.target.card,
+                    config.world_size,
+                )
         return prediction
 
     def history(self) -> list[tuple[int, int]]:
@@ -247,6 +267,13 @@ class Predictor:
         gone = [(ident, FREE) for ident in sorted(self.history_live - now.keys())]
         new = [(ident, now[ident]) for ident in sorted(now.keys() - self.history_live)]
         return [*events, *gone, *new]
+
+
+def replay_for_budget(replayable: tuple[Any, ...], budget: int) -> DeviceMemory:
+    """A prediction's device figures against another budget (``REPLAY``): replayed with the
+    cap where the unbounded replay exceeds it."""
+    history, window, allocator, card, world_size = replayable
+    return device_memory(history, window, allocator, card, world_size, budget)
 
 
 def one_line(error: Exception) -> str:

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
+from harness.cuda.device_memory import DeviceMemory
 from harness.strategies import batch_step
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import Predictor
+from harness.trial.estimate import REPLAY, Predictor, replay_for_budget
 from harness.trial.tool import serve
 
 AXES = ("batch_size", "seq_len")
@@ -71,6 +72,7 @@ class Curve:
         self.cache: dict[int, dict[str, Any]] = {}
         self.totals: dict[int, list[int]] = {}  # the live total after every op, per value
         self.reads: set[int] = set()  # the values one answer consulted (its cost alone)
+        self.bounded: dict[tuple[int, int], DeviceMemory | None] = {}  # fits_by_retrying's
 
     def __call__(self, value: int) -> dict[str, Any]:
         self.reads.add(value)
@@ -86,23 +88,44 @@ class Curve:
 
     def fits(self, value: int, budget: float) -> bool:
         peak = self.peak(value)
-        return peak is not None and peak <= budget
+        return peak is not None and (peak <= budget or self.fits_by_retrying(value, budget))
 
     def known_fits(self, value: int, budget: float) -> bool | None:
         """Whether a cached value fits (None: not predictable), not counted as a read:
         scanning the cache for a bracket costs this answer nothing (else every answer after
         the first would count all earlier budgets' predictions as its own)."""
         peak = self.cache[value].get(self.key)
-        return None if peak is None else peak <= budget
+        if peak is None:
+            return None
+        return peak <= budget or self.fits_by_retrying(value, budget)
+
+    def fits_by_retrying(self, value: int, budget: float) -> bool:
+        """A CUDA prediction over ``budget`` unbounded may still fit a card of that size: the
+        allocator frees its cache and retries before it gives up. Its allocation order
+        replayed with the cap says (``harness.cuda.device_memory``; remembered per budget)."""
+        return self.within(value, budget) is not None
+
+    def within(self, value: int, budget: float) -> DeviceMemory | None:
+        """The device figures of ``value`` replayed under a cap of ``budget``; None when they
+        do not fit even so (or the prediction cannot be replayed: a CPU target)."""
+        replayable = self.cache[value].get(REPLAY)
+        if replayable is None:
+            return None
+        key = (value, int(budget))
+        if key not in self.bounded:
+            memory = replay_for_budget(replayable, int(budget))
+            self.bounded[key] = memory if memory.fits else None
+        return self.bounded[key]
 
     def overhead(self, values: list[int]) -> float:
-        """How far the judged figure lies above the allocated peak (the allocator's cached
-        segments and what lives outside it), the most at any of ``values``: what the
-        allocated moments' model must leave free of the budget."""
+        """How far the judged figure lies above the tensors' peak (the allocator's cached
+        segments, its workspaces and what lives outside it), the most at any of ``values``:
+        what the moments' model (of tensor bytes) must leave free of the budget."""
         if self.key == "predicted_peak_bytes":
             return 0.0
         return max(
-            self.cache[v][self.key] - self.cache[v]["predicted_peak_bytes"]
+            self.cache[v][self.key]
+            - self.cache[v].get("tracked_peak_bytes", self.cache[v]["predicted_peak_bytes"])
             for v in values
             if v in self.cache and self.key in self.cache[v]
         )
@@ -321,6 +344,7 @@ def answers(
         first = curve(curve.step)
     if "predicted_peak_bytes" not in first:  # unpredictable or refused: the same at any value
         reads = len(curve.reads)
+        first = {k: v for k, v in first.items() if k != REPLAY}
         return [{"budget_bytes": b, "value": None, **first, "predictions": reads} for b in budgets]
     if "predicted_device_bytes" in first:  # a CUDA target: judged on what the card holds
         curve.key = "predicted_device_bytes"
@@ -334,7 +358,12 @@ def answers(
             at = curve(value)
             row.update({k: v for k, v in at.items() if k.startswith("predicted_")})
             row.update({k: at[k] for k in ("card", "note") if k in at})
-            row["margin_bytes"] = budget - at[curve.key]
+            if at.get(curve.key, 0) > budget:  # fits only by freeing the cache and retrying
+                bounded = curve.within(value, budget)
+                if bounded is not None:
+                    row.update(bounded.metrics())
+                    row["predicted_peak_bytes"] = float(bounded.allocated)
+            row["margin_bytes"] = budget - row[curve.key]
         # Predictions this answer consulted (shared ones computed once): its cost alone.
         row["predictions"] = len(curve.reads)
         nxt = value + curve.step
