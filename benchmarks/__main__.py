@@ -16,6 +16,7 @@ from rich.table import Table
 
 from benchmarks import allocator, estimator, fit, overhead, scale, search
 from benchmarks.figures import Figure
+from benchmarks.published import bench as published
 
 SUITES = {
     "overhead": overhead.run,
@@ -24,6 +25,7 @@ SUITES = {
     "estimator": estimator.run,
     "allocator": allocator.run,
     "fit": fit.run,
+    "published": published.run,
 }
 
 

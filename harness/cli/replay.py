@@ -45,8 +45,8 @@ class _Progress:
     "--card",
     default=None,
     metavar="NAME",
-    help="Cap the replay at this card's memory less its CUDA context (as `harness fit` names "
-    "cards, e.g. a100-80gb), so a retry or an OOM shows; default: unlimited.",
+    help="Cap the replay at this card's memory less its CUDA context (`harness cards` lists "
+    "them, e.g. a100-80gb), so a retry or an OOM shows; default: unlimited.",
 )
 @click.option(
     "--allocator-conf",
