@@ -6,8 +6,9 @@ time), for the card the spec names, and each published run is held against the r
 that is configured as the source ran it: the figure the source printed against the prediction
 of the same quantity (``max_memory_allocated`` and the active peak: ``predicted_peak_bytes``;
 ``max_memory_reserved``: ``predicted_reserved_bytes``). Nothing is scaled or corrected: a ratio
-is harness's own prediction over the source's own figure. Prints a markdown table and writes
-``FILE`` (default ``results/published.json``). Works offline: every model is built from its
+is harness's own prediction over the source's own figure. Runs of an informational source are
+printed in a table of their own and never counted toward the targets. Prints markdown tables and
+writes ``FILE`` (default ``results/published.json``). Works offline: every model is built from its
 config with random weights. What each run is, and what could not be matched, is in README.md.
 """
 
@@ -29,7 +30,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent  # user code is imported as benchmarks.published.* from here
 SPECS = HERE / "specs"
-UNITS = {"GB": 1e9, "GiB": 2**30}
+UNITS = {"GB": 1e9, "GiB": 2**30, "MiB": 2**20}
 # Which prediction answers which published quantity, and the tolerance it is held to (None:
 # reported, no target). Active memory is allocated memory plus blocks freed but waiting for
 # another stream; a single-stream step has none, so it is compared with the allocated peak.
@@ -49,6 +50,12 @@ TARGETS: dict[str, float | None] = {
 LITGPT = "A: litgpt resource tables (Lightning-AI/litgpt 0cc02afa; lit-gpt 8641822)"
 RASBT = "B: rasbt/pytorch-memory-optim f6eddcd"
 TORCHTUNE = "C: torchtune README 1814feb17"
+TRANSFORMERS_DOCS = (
+    "T: transformers docs, perf_train_gpu_one.mdx @ 0016acf7 (now model_memory_anatomy.md and "
+    "perf_train_gpu_one.md)"
+)
+# Why source T's runs are printed but not counted.
+T_INFORMATIONAL = "informational (the issue's example; PyTorch < 1.11, transformers ~4.15)"
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class Run:
     # A second row of the same spec shown beside the first, and what it is.
     alternative: str | None = None
     alternative_label: str = ""
+    # Not None: printed apart and never counted toward a target, for this reason.
+    informational: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,13 @@ RUNS = [
     Run("B6", RASBT, "ViT-L/16, bf16-true, Adam, 4 x 4 accumulated", "B6.yaml", 16, "bf16_params+accumulate:4", "reserved", 3.91, "GB"),
     Run("B7", RASBT, "ViT-L/16, bf16-true, SGD, 4 x 4 accumulated", "B7.yaml", 16, "bf16_params+sgd+accumulate:4", "reserved", 2.02, "GB"),
     Run("C1", TORCHTUNE, "Llama-3.2-3B full FT, bf16, AdamW, packed 2 x 4096", "C1-llama-3.2-3b-packed.yaml", 2, "none", "active", 60.0, "GiB"),
+    Run("T1", TRANSFORMERS_DOCS, "BERT-large cls, fp32, AdamW, batch 4 x 512", "T-bert-large-fp32.yaml", 4, "keep_grads", "device", 14949, "MiB", informational=T_INFORMATIONAL),
+    Run("T2", TRANSFORMERS_DOCS, "BERT-large cls, fp32, AdamW, 4 x 1 accumulated", "T-bert-large-fp32.yaml", 4, "accumulate:4+keep_grads", "device", 8681, "MiB", informational=T_INFORMATIONAL),
+    Run("T3", TRANSFORMERS_DOCS, "BERT-large cls, fp32, AdamW, 4 x 1 accumulated, checkpointing", "T-bert-large-fp32.yaml", 4, "checkpoint+accumulate:4+keep_grads", "device", 6775, "MiB", informational=T_INFORMATIONAL),
+    Run("T4", TRANSFORMERS_DOCS, "BERT-large cls, fp16 AMP, AdamW, batch 4 x 512", "T-bert-large-fp16.yaml", 4, "keep_grads", "device", 13939, "MiB", informational=T_INFORMATIONAL),
+    Run("T5", TRANSFORMERS_DOCS, "BERT-large cls, fp16 AMP, AdamW, 4 x 1 accumulated, checkpointing", "T-bert-large-fp16.yaml", 4, "checkpoint+accumulate:4+keep_grads", "device", 7275, "MiB", informational=T_INFORMATIONAL),
+    Run("T6", TRANSFORMERS_DOCS, "BERT-large cls, fp32, torch Adafactor for HF's, batch 4 x 512", "T-bert-large-fp32.yaml", 4, "adafactor+keep_grads", "device", 12295, "MiB", informational=T_INFORMATIONAL),
+    Run("T7", TRANSFORMERS_DOCS, "BERT-large cls, fp16 AMP, torch Adafactor for HF's, 4 x 1 accumulated, checkpointing", "T-bert-large-fp16.yaml", 4, "checkpoint+accumulate:4+adafactor+keep_grads", "device", 4847, "MiB", informational=T_INFORMATIONAL),
 ]  # fmt: skip
 
 OOM_CHECKS = [
@@ -134,6 +150,8 @@ LEFT_OUT = {
     "G1-G3": "Alpaca2k padded per batch: the peak batch's length is not known",
     "H1-H2": "reserved memory over the whole run including generation at batch 50 and "
     "empty_cache() every 10 steps, with variable lengths",
+    "T (8-bit Adam, Accelerate)": "bitsandbytes' Adam8bit (its own CUDA kernels and state layout; "
+    "harness's adam8bit is torchao's compiled AdamW8bit), and the Accelerate loop that reuses it",
 }
 
 
@@ -182,6 +200,13 @@ def compare(run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "card": row.get("card"),
         "row": {k: row.get(k) for k in sorted(row) if k.startswith(("predicted_", "num_params"))},
     }
+    if run.metric == "device":
+        # What the device figure was before reserved memory was predicted: the allocated peak
+        # plus the card's context (and NCCL's buffers).
+        old = float(row["predicted_peak_bytes"]) + float(row.get("predicted_context_bytes") or 0)
+        old += float(row.get("predicted_nccl_bytes") or 0)
+        result["allocated_plus_context"] = old / UNITS[run.unit]
+        result["allocated_plus_context_ratio"] = old / figure_bytes
     if run.alternative is not None:
         other = row_of(rows, run.batch_size, run.alternative)
         value = float(other[PREDICTION[run.metric]])
@@ -238,11 +263,42 @@ def validation_bound(run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def verdict(result: dict[str, Any]) -> str:
+    if result["within_target"] is None:
+        return "-"
+    return "pass" if result["within_target"] else "FAIL"
+
+
+def informational_table(results: list[dict[str, Any]]) -> list[str]:
+    """The informational runs: the device figure beside the allocated peak plus context that
+    harness reported as its device figure before, and why the run is not counted."""
+    lines = [
+        "| run | source | configuration | metric | source figure | harness | ratio "
+        "| allocated + context (old) | old ratio | target | result | counted |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for r in results:
+        unit = r["unit"]
+        target = "none (reported)" if r["target"] is None else f"±{r['target']:.0%}"
+        old = old_ratio = "-"
+        if "allocated_plus_context" in r:
+            old = f"{r['allocated_plus_context']:.0f} {unit}"
+            old_ratio = f"{r['allocated_plus_context_ratio']:.3f}"
+        lines.append(
+            f"| {r['id']} | {r['source'][:1]} | {r['config']} | {r['metric']} | "
+            f"{r['figure']:.0f} {unit} | {r['predicted']:.0f} {unit} | {r['ratio']:.3f} | "
+            f"{old} | {old_ratio} | {target} | {verdict(r)} | no: {r['informational']} |"
+        )
+    return lines
+
+
 def markdown(
     results: list[dict[str, Any]], checks: list[dict[str, Any]], bounds: list[dict[str, Any]]
 ) -> str:
-    """The comparison as a markdown table, then the out-of-memory checks and source A's
-    validation bounds."""
+    """The comparison as a markdown table, then the informational runs, the out-of-memory
+    checks and source A's validation bounds."""
+    informational = [r for r in results if r["informational"]]
+    results = [r for r in results if not r["informational"]]
     lines = [
         "| run | source | configuration | metric | source figure | harness | ratio | target "
         "| result |",
@@ -251,21 +307,22 @@ def markdown(
     for r in results:
         unit = r["unit"]
         target = "none (reported)" if r["target"] is None else f"±{r['target']:.0%}"
-        verdict = "-" if r["within_target"] is None else ("pass" if r["within_target"] else "FAIL")
         cell = f"{r['predicted']:.2f} {unit}"
         if "alternative_predicted" in r:
             cell += f" ({r['alternative_predicted']:.2f} own loop, {r['alternative_ratio']:.3f})"
         lines.append(
             f"| {r['id']} | {r['source'][:1]} | {r['config']} | {r['metric']} | "
-            f"{r['figure']:.2f} {unit} | {cell} | {r['ratio']:.3f} | {target} | {verdict} |"
+            f"{r['figure']:.2f} {unit} | {cell} | {r['ratio']:.3f} | {target} | {verdict(r)} |"
         )
+    if informational:
+        lines += ["", *informational_table(informational)]
     lines += ["", "| check | configuration | source | harness device figure | card | result |"]
     lines.append("|---|---|---|---:|---|---|")
     for c in checks:
-        verdict = "pass (predicted OOM)" if c["predicted_oom"] else "FAIL (predicted to fit)"
+        outcome = "pass (predicted OOM)" if c["predicted_oom"] else "FAIL (predicted to fit)"
         lines.append(
             f"| {c['id']} | {c['config']} | OOM | {c['predicted_device_bytes'] / 1e9:.2f} GB | "
-            f"{c['card']} | {verdict} |"
+            f"{c['card']} | {outcome} |"
         )
     lines += [
         "",
@@ -295,14 +352,20 @@ def main(argv: list[str] | None = None) -> int:
     results = [compare(run, answers[run.spec][0]) for run in RUNS]
     checks = [oom_check(check, answers[check.spec][0]) for check in OOM_CHECKS]
     bounds = [validation_bound(run, answers[run.spec][0]) for run in RUNS if run.source == LITGPT]
-    counted = [r for r in results if r["within_target"] is not None]
+    compared = [r for r in results if not r["informational"]]
+    counted = [r for r in compared if r["within_target"] is not None]
     passed = sum(bool(r["within_target"]) for r in counted)
-    sources = sorted({r["source"] for r in results})
+    sources = sorted({r["source"] for r in compared})
+    informational = [r for r in results if r["informational"]]
+    informational_sources = sorted({r["source"] for r in informational})
     elapsed = time.perf_counter() - started
     print(markdown(results, checks, bounds))
     print(
-        f"\n{len(results)} runs from {len(sources)} sources compared; {passed} of "
+        f"\n{len(compared)} runs from {len(sources)} sources compared; {passed} of "
         f"{len(counted)} allocated/active runs within their target; "
+        f"{len(informational)} informational runs from {len(informational_sources)} source "
+        f"printed, not counted ({sum(bool(r['within_target']) for r in informational)} within "
+        f"their target); "
         f"{sum(c['predicted_oom'] for c in checks)} of {len(checks)} out-of-memory runs "
         f"predicted out of memory; {elapsed:.0f} s."
     )
@@ -312,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": elapsed,
         "spec_seconds": {spec: seconds for spec, (_, seconds) in answers.items()},
         "sources": sources,
+        "informational_sources": informational_sources,
         "counted": len(counted),
         "within_target": passed,
         "runs": results,

@@ -24,7 +24,7 @@ def cards(cards_file: Path | None, fmt: str) -> None:
     import pandas as pd
 
     from harness.cuda.cards import CATALOGUE
-    from harness.spec.cards import load_cards
+    from harness.spec.load import load_cards
 
     found = dict(CATALOGUE)
     if cards_file is not None:

@@ -110,6 +110,9 @@ TABLE_COLUMNS = {
 }
 
 
+CROSS_CHECKS = ("predicted_model_state_bytes", "closed_form_model_state_bytes")
+
+
 def show_estimate(frame: Any, spec: Any, target: str) -> None:
     """The estimate as a table people read: a column per part of the breakdown, the axes that
     do not vary named once in the title, why a row has no prediction in a note under it."""
@@ -121,6 +124,9 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     columns = [c for c in TABLE_COLUMNS if c in frame.columns]
     fixed = [c for c in ("model_size", "batch_size", "dtype") if frame[c].nunique() == 1]
     columns = [c for c in columns if c not in fixed]
+    cuda = "predicted_device_bytes" in frame
+    if cuda:  # two more figures to show: the model-state cross-checks stay in csv/json
+        columns = [c for c in columns if c not in CROSS_CHECKS]
     where = ", ".join(f"{TABLE_COLUMNS[c]} {frame[c].iloc[0]}" for c in fixed)
     budget = format_bytes(spec.memory_budget, short=True) if spec.memory_budget else ""
     card = f" ({frame['card'].iloc[0]})" if "card" in frame and frame["card"].notna().any() else ""
@@ -152,8 +158,13 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
             if "predicted_device_bytes" in frame
             else ""
         )
-        + "; model state = parameters + gradients + optimizer state as built; closed form = the "
-        "same from textbook bytes per parameter; trainable = parameters that get gradients",
+        + (
+            "; model state and its closed form: --format csv|json"
+            if cuda
+            else "; model state = parameters + gradients + optimizer state as built; closed "
+            "form = the same from textbook bytes per parameter"
+        )
+        + "; trainable = parameters that get gradients",
         highlight=False,
     )
     for reason in reasons:

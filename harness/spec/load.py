@@ -19,8 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from harness.cuda.cards import CATALOGUE
-from harness.spec.cards import load_cards
+from harness.cuda.cards import CATALOGUE, Card, card_from_mapping
 from harness.spec.errors import FieldProblem, SpecError, did_you_mean
 from harness.spec.schema import Spec
 from harness.workloads import is_user_code
@@ -128,6 +127,22 @@ def parse_spec(data: Any, source: str = "<spec>") -> Spec:
     return spec
 
 
+def load_cards(path: Path) -> dict[str, Card]:
+    """Your own cards (a YAML file: name -> entry, see ``harness.cuda.cards.card_from_mapping``
+    and docs/cards.md) by lower-case name; a name of the catalogue replaces that entry.
+    ``SpecError`` with one line naming the file, the card and the field on anything wrong."""
+    data = read_yaml(path, "cards")
+    if not isinstance(data, dict) or not data:
+        raise SpecError(f"{path}: a cards file maps card names to their entries")
+    cards = {}
+    for name, entry in data.items():
+        try:
+            cards[str(name).lower()] = card_from_mapping(str(name).lower(), entry, str(name))
+        except ValueError as error:
+            raise SpecError(f"{path}: {error}") from None
+    return cards
+
+
 def resolve_cards(spec: Spec, source: str) -> None:
     """Read the spec's ``cards`` file (relative to the spec's folder) and check ``card`` names
     one of them or the catalogue."""
@@ -144,12 +159,12 @@ def resolve_cards(spec: Spec, source: str) -> None:
         )
 
 
-def load_spec(path: str | Path) -> Spec:
-    path = Path(path)
+def read_yaml(path: Path, what: str) -> Any:
+    """A YAML file's data; ``SpecError`` with one line (``file:line:column`` for bad YAML)."""
     if not path.is_file():
-        raise SpecError(f"{path}: no such spec file")
+        raise SpecError(f"{path}: no such {what} file")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -157,6 +172,11 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"{where}: invalid YAML: {problem}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise SpecError(f"{path}: cannot read: {error}") from None
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    data = read_yaml(path, "spec")
     if data is None:
         raise SpecError(f"{path}: the spec is empty")
     spec = parse_spec(data, str(path))

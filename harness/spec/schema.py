@@ -489,7 +489,7 @@ class Spec(Strict):
     # (model size, dtype, strategy) the batch it trains at and how it was found
     # (``{"batch_size": int, "search": str}``). Empty: not resolved.
     _max_batch: dict[tuple[str, str, str], dict[str, Any]] = PrivateAttr(default_factory=dict)
-    # Set by parse_spec from ``cards`` (``harness.spec.cards``): the user's own cards by name.
+    # Set by parse_spec from ``cards`` (``harness.spec.load.load_cards``): your own cards by name.
     _cards: dict[str, Card] = PrivateAttr(default_factory=dict)
 
     @field_validator("name")
