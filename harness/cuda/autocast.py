@@ -403,18 +403,15 @@ def _kernel(name: str, cache: _CastCache, unclassified: set[str]) -> Callable[..
             policy = rule.policy
             if policy is Policy.BANNED:
                 raise RuntimeError(rule.message)
-            if policy is Policy.LOWER_PRECISION_FP:
-                dtype = torch.get_autocast_dtype("cpu")
-                return op(
-                    *cast_all(args, dtype), **{k: cast_all(v, dtype) for k, v in kwargs.items()}
-                )
-            if policy is Policy.FP32:
-                return op(*cast_all(args, torch.float32), **cast_all_kwargs(kwargs))
-            if policy is Policy.PROMOTE:
-                dtype = _promote_type([*args, *kwargs.values()])
-                return op(
-                    *cast_all(args, dtype), **{k: cast_all(v, dtype) for k, v in kwargs.items()}
-                )
+            casts = {
+                Policy.LOWER_PRECISION_FP: lambda: torch.get_autocast_dtype("cpu"),
+                Policy.FP32: lambda: torch.float32,
+                Policy.PROMOTE: lambda: _promote_type([*args, *kwargs.values()]),
+            }
+            if policy in casts:  # every floating input cast to one type, then the op
+                dtype = casts[policy]()
+                cast_kwargs = {k: cast_all(v, dtype) for k, v in kwargs.items()}
+                return op(*cast_all(args, dtype), **cast_kwargs)
             first = args[0] if args else None
             if policy is Policy.FP32_SET_OPT_DTYPE:
                 if not _eligible(first):
@@ -429,9 +426,6 @@ def _kernel(name: str, cache: _CastCache, unclassified: set[str]) -> Callable[..
             redispatch = overload(rule.redispatch)
             out_type = torch.float32 if _eligible(first) else first.dtype
             return redispatch(*_with_defaults(op, args, kwargs), dtype=out_type)
-
-    def cast_all_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {k: cast_all(v, torch.float32) for k, v in kwargs.items()}
 
     return run
 

@@ -114,23 +114,44 @@ def device_memory(
 ) -> DeviceMemory:
     """Reserved and device bytes of the replayed step on ``card``, judged against ``budget``
     (bytes the device may use in all: the card's memory or a smaller ``device_memory``)."""
+    unbounded = _figures(replay(history, window, config), card, world_size, budget)
+    if unbounded.fits is False:  # the real allocator frees its cache and retries before an OOM
+        return capped(history, window, config, card, world_size, budget) or unbounded
+    return unbounded
+
+
+def capped(
+    history: Sequence[tuple[int, int]],
+    window: Sequence[tuple[int, int]],
+    config: AllocatorConfig,
+    card: Card,
+    world_size: int,
+    budget: int,
+) -> DeviceMemory | None:
+    """The step replayed with cudaMalloc capped at what ``budget`` leaves beside the context
+    and NCCL: freeing the cache and retrying where it runs out; None when even so it does
+    not fit (an OOM on the card)."""
+    room = budget - card.context - nccl_bytes(card, world_size)
+    if room <= 0:
+        return None
+    try:
+        allocator = replay(history, window, config, capacity=room)
+    except OutOfMemory:
+        return None
+    return _figures(allocator, card, world_size, budget)
+
+
+def _figures(
+    allocator: CachingAllocator, card: Card, world_size: int, budget: int | None
+) -> DeviceMemory:
     context, nccl = card.context, nccl_bytes(card, world_size)
-    free = allocator = replay(history, window, config)
-    fits: bool | None = None
-    if budget is not None:
-        fits = allocator.peak_reserved_bytes + context + nccl <= budget
-        if not fits and budget - context - nccl > 0:
-            try:  # the real allocator frees its cache and retries before an OOM
-                allocator = replay(history, window, config, capacity=budget - context - nccl)
-                fits = True
-            except OutOfMemory:
-                allocator = free
+    reserved = allocator.peak_reserved_bytes
     return DeviceMemory(
         allocated=allocator.peak_allocated_bytes,
-        reserved=allocator.peak_reserved_bytes,
+        reserved=reserved,
         context=context,
         nccl=nccl,
-        fragmentation=allocator.peak_reserved_bytes - allocator.peak_allocated_bytes,
+        fragmentation=reserved - allocator.peak_allocated_bytes,
         alloc_retries=allocator.num_alloc_retries,
-        fits=fits,
+        fits=None if budget is None else reserved + context + nccl <= budget,
     )

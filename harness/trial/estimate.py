@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.contract import OPTIMIZER_STATE_BYTES
-from harness.cuda.device_memory import FREE, DeviceMemory, device_memory
+from harness.cuda.device_memory import FREE, DeviceMemory, capped, device_memory
 from harness.cuda.kernels import Workspaces
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.allocations import AllocationLog
@@ -269,11 +269,11 @@ class Predictor:
         return [*events, *gone, *new]
 
 
-def replay_for_budget(replayable: tuple[Any, ...], budget: int) -> DeviceMemory:
-    """A prediction's device figures against another budget (``REPLAY``): replayed with the
-    cap where the unbounded replay exceeds it."""
+def replay_for_budget(replayable: tuple[Any, ...], budget: int) -> DeviceMemory | None:
+    """A prediction's device figures under a cap of another budget (``REPLAY``), for one whose
+    unbounded figure exceeds it: None when even freeing the cache and retrying does not fit."""
     history, window, allocator, card, world_size = replayable
-    return device_memory(history, window, allocator, card, world_size, budget)
+    return capped(history, window, allocator, card, world_size, budget)
 
 
 def one_line(error: Exception) -> str:

@@ -113,8 +113,7 @@ class Curve:
             return None
         key = (value, int(budget))
         if key not in self.bounded:
-            memory = replay_for_budget(replayable, int(budget))
-            self.bounded[key] = memory if memory.fits else None
+            self.bounded[key] = replay_for_budget(replayable, int(budget))
         return self.bounded[key]
 
     def overhead(self, values: list[int]) -> float:
