@@ -226,10 +226,11 @@ class Predictor:
         prediction["predicted_model_state_bytes"] = model_state
         if window.totals_tracker is not None:
             prediction["totals"] = window.totals_tracker.totals
-        if self.log is not None and self.target is not None and self.workspaces is not None:
+        if self.log is not None and self.target is not None:
+            window_events = self.log.events[start:]
             memory = device_memory(
                 history,
-                self.log.events[start:],
+                window_events,
                 self.target.allocator,
                 self.target.card,
                 config.world_size,
@@ -249,7 +250,7 @@ class Predictor:
             if self.totals:
                 prediction[REPLAY] = (
                     history,
-                    self.log.events[start:],
+                    window_events,
                     self.target.allocator,
                     self.target.card,
                     config.world_size,
