@@ -302,3 +302,141 @@ def test_a_cuda_spec_on_a_host_without_cuda_is_refused_by_sweep_and_flagged_by_v
     checked = run_cli("validate", str(path), cwd=tmp_path)
     assert checked.returncode == 0 and "ok (1 trials" in checked.stdout
     assert "warning: device: cuda, but this host has no usable CUDA device" in checked.stderr
+
+
+DUPLICATED = """\
+name: x
+model:
+  family: mlp
+  sizes:
+    tiny: {width: 16, depth: 1}
+grid:
+  batch_size: [32]
+  dtype: [fp32]
+  batch_size: [8]
+device: cpu
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "key", "first"),
+    [
+        (DUPLICATED, "9:3", "batch_size", 7),  # nested: the second batch_size under grid
+        (
+            DUPLICATED.replace("grid:\n  batch_size: [32]\n", "grid:\n") + "name: y\n",
+            "10:1",
+            "name",
+            1,
+        ),
+        (  # flow style, on one line
+            DUPLICATED.replace("depth: 1", "depth: 1, width: 8").replace("  batch_size: [8]\n", ""),
+            "5:33",
+            "width",
+            5,
+        ),
+    ],
+    ids=["nested", "top-level", "flow-mapping"],
+)
+def test_a_key_given_twice_is_one_line_naming_both(tmp_path, text, where, key, first):
+    """PyYAML keeps the last of two equal keys without a word: the spec said ok and the sweep
+    ran a grid nobody wrote. Both places are named."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert (
+        str(caught.value)
+        == f"{path}:{where}: duplicate key {key!r} (first at line {first}); keep one"
+    )
+
+
+def test_merge_keys_may_still_override_and_cards_refuse_duplicates(tmp_path, base_spec):
+    """``<<: *anchor`` then a key of its own is YAML's override, not a duplicate."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        DUPLICATED.replace("  batch_size: [8]\n", "").replace(
+            "tiny: {width: 16, depth: 1}",
+            "tiny: &tiny {width: 16, depth: 1}\n    wide: {<<: *tiny, width: 32}",
+        )
+    )
+    assert load_spec(path).model.sizes == {
+        "tiny": {"width": 16, "depth": 1},
+        "wide": {"width": 32, "depth": 1},
+    }
+    cards = tmp_path / "cards.yaml"
+    cards.write_text("mine:\n  memory: 80GB\n  compute_capability: '9.0'\n  sms: 132\n  sms: 4\n")
+    base_spec.update(cards=str(cards), card="mine")
+    with pytest.raises(SpecError) as caught:
+        parse_spec(base_spec, str(tmp_path / "spec.yaml"))
+    assert str(caught.value) == f"{cards}:5:3: duplicate key 'sms' (first at line 4); keep one"
+
+
+TOO_LARGE = 10**19  # int64 holds at most 2**63 - 1 = 9223372036854775807
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field", "value"),
+    [
+        (lambda d: d["measure"].update(timed_steps=TOO_LARGE), "measure.timed_steps", TOO_LARGE),
+        (lambda d: d["train"].update(seed=TOO_LARGE), "train.seed", TOO_LARGE),
+        (
+            lambda d: d["model"]["sizes"]["tiny"].update(width=TOO_LARGE),
+            "model.sizes.tiny.width",
+            TOO_LARGE,
+        ),
+        # Given as text: the schema makes the integer (100,000,000 TiB in bytes).
+        (lambda d: d.update(device_memory="100000000TiB"), "device_memory", 100000000 * 2**40),
+        (
+            lambda d: d["measure"].update(timed_steps=str(TOO_LARGE)),
+            "measure.timed_steps",
+            TOO_LARGE,
+        ),
+    ],
+    ids=["timed_steps", "seed", "knob", "bytes", "digits-as-text"],
+)
+def test_an_integer_no_results_column_holds_is_refused(base_spec, mutate, field, value):
+    """It validated, ran, and then broke the summary, results, pareto and report for good
+    (``cannot safely cast non-equivalent uint64 to int64``)."""
+    mutate(base_spec)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(base_spec, "exp.yaml")
+    assert str(caught.value) == (
+        f"exp.yaml: {field}: {value} is too large (at most 9223372036854775807)"
+    )
+
+
+def test_the_largest_int64_still_validates_and_the_smallest_below_is_refused(base_spec):
+    base_spec["measure"]["timed_steps"] = 2**63 - 1
+    assert parse_spec(base_spec).measure.timed_steps == 2**63 - 1
+    base_spec["model"] = {"family": "mine:build", "sizes": {"s": {"shift": -(2**63) - 1}}}
+    with pytest.raises(SpecError, match=r"^exp.yaml: model.sizes.s.shift: .* is too small \(at"):
+        parse_spec(base_spec, "exp.yaml")
+
+
+def test_an_infinite_size_is_one_line_not_a_crash(base_spec):
+    base_spec["device_memory"] = float("inf")
+    with pytest.raises(SpecError, match=r"^exp.yaml: device_memory: must be a finite size"):
+        parse_spec(base_spec, "exp.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "start"),
+    [
+        (DUPLICATED, "{path}:9:3: duplicate key 'batch_size'"),
+        (
+            DUPLICATED.replace(
+                "  batch_size: [8]\n", "measure: {timed_steps: 10000000000000000000}\n"
+            ),
+            "{path}: measure.timed_steps: 10000000000000000000 is too large",
+        ),
+    ],
+    ids=["duplicate", "too-large"],
+)
+def test_validate_cli_refuses_duplicates_and_huge_integers(tmp_path, text, start):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    done = run_cli("validate", str(path), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(start.format(path=path)), done.stderr
+    assert "Traceback" not in done.stderr + done.stdout

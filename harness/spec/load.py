@@ -13,6 +13,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,10 @@ from harness.spec.errors import FieldProblem, SpecError, did_you_mean
 from harness.spec.schema import Spec
 from harness.workloads import is_user_code
 
+# What a results column holds (pandas Int64, MLflow params read back): an integer outside
+# this range validates in Python but breaks every table built from the sweep's records.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 FRIENDLY = {
     "missing": "required key is missing",
     "too_short": "must list at least one value",
@@ -34,6 +39,7 @@ FRIENDLY = {
     "int_type": "must be an integer",
     "int_parsing": "must be an integer",
     "int_from_float": "must be an integer",
+    "int_parsing_size": f"is too large (at most {INT64_MAX})",
     "float_type": "must be a number",
     "float_parsing": "must be a number",
     "bool_type": "must be true or false",
@@ -118,10 +124,13 @@ def parse_spec(data: Any, source: str = "<spec>") -> Spec:
         raise SpecError(
             f"{source}: the spec must be a YAML mapping of keys (name, model, grid, ...)"
         )
+    check_int_range(data, source)
     try:
         spec = Spec.model_validate(data)
     except ValidationError as error:
         raise SpecError("\n".join(format_error(source, e) for e in error.errors())) from None
+    # Again on what the schema made of it: "1e30 B" or a string of digits becomes an int too.
+    check_int_range(spec.model_dump(), source)
     spec._source = source
     resolve_cards(spec, source)
     return spec
@@ -134,13 +143,43 @@ def load_cards(path: Path) -> dict[str, Card]:
     data = read_yaml(path, "cards")
     if not isinstance(data, dict) or not data:
         raise SpecError(f"{path}: a cards file maps card names to their entries")
+    check_int_range(data, str(path))
     cards = {}
     for name, entry in data.items():
         try:
-            cards[str(name).lower()] = card_from_mapping(str(name).lower(), entry, str(name))
+            card = card_from_mapping(str(name).lower(), entry, str(name))
         except ValueError as error:
             raise SpecError(f"{path}: {error}") from None
+        check_int_range(
+            {"memory": card.memory_bytes, "context": card.context_bytes}, str(path), [str(name)]
+        )
+        cards[str(name).lower()] = card
     return cards
+
+
+def out_of_range_ints(data: Any, loc: list[str | int]) -> Iterator[tuple[list[str | int], int]]:
+    """Every integer in ``data`` (mappings and lists, walked) outside ``INT64_MIN..INT64_MAX``."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from out_of_range_ints(value, [*loc, str(key)])
+    elif isinstance(data, list | tuple):
+        for index, value in enumerate(data):
+            yield from out_of_range_ints(value, [*loc, index])
+    elif isinstance(data, int) and not INT64_MIN <= data <= INT64_MAX:
+        yield loc, data
+
+
+def check_int_range(data: Any, source: str, loc: list[str | int] | None = None) -> None:
+    """``SpecError`` (one line each) for any integer no results column can hold: it would
+    validate, run, and then break the results table of every command that reads the sweep."""
+    lines = [
+        f"{source}: {_dotted(where)}: {value} is too large (at most {INT64_MAX})"
+        if value > 0
+        else f"{source}: {_dotted(where)}: {value} is too small (at least {INT64_MIN})"
+        for where, value in out_of_range_ints(data, loc or [])
+    ]
+    if lines:
+        raise SpecError("\n".join(lines))
 
 
 def resolve_cards(spec: Spec, source: str) -> None:
@@ -159,17 +198,46 @@ def resolve_cards(spec: Spec, source: str) -> None:
         )
 
 
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A mapping names the same key twice (the mark is the second one)."""
+
+
+class SafeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last
+    without a word, so a second ``batch_size:`` would silently replace the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` may override what it merges: that is its point
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = first.setdefault(key, key_node)
+            except TypeError:
+                continue  # an unhashable key: the base class says so
+            if seen is not key_node:
+                raise DuplicateKeyError(
+                    problem=f"duplicate key {key!r} (first at line {seen.start_mark.line + 1}); "
+                    "keep one",
+                    problem_mark=key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path, what: str) -> Any:
-    """A YAML file's data; ``SpecError`` with one line (``file:line:column`` for bad YAML)."""
+    """A YAML file's data; ``SpecError`` with one line (``file:line:column`` for bad YAML or a
+    key given twice)."""
     if not path.is_file():
         raise SpecError(f"{path}: no such {what} file")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=SafeLoader)  # still safe: a SafeLoader
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise SpecError(f"{where}: invalid YAML: {problem}") from None
+        kind = "" if isinstance(error, DuplicateKeyError) else "invalid YAML: "
+        raise SpecError(f"{where}: {kind}{problem}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise SpecError(f"{path}: cannot read: {error}") from None
 

@@ -382,7 +382,10 @@ def _seconds(value: Any) -> float:
 
 
 def _bytes(value: Any) -> int:
-    return parse_bytes(value)
+    try:
+        return parse_bytes(value)
+    except OverflowError:  # .inf: int(inf) raises this, which pydantic lets through as a crash
+        raise ValueError("must be a finite size") from None
 
 
 def _allocator(value: str | None) -> str | None:
