@@ -187,10 +187,9 @@ def test_the_report_in_chromium_opens_with_the_recommendation_in_units(swept, tm
         answer = browser.find_element(By.ID, "recommendation")
         assert headings[0] == "Recommendation" and answer.is_displayed()
         assert answer.location["y"] < 400  # at the top of the page, above every table
-        assert (
-            "run model_size t" in answer.text
-            and "the fastest configuration measured" in answer.text
-        )
+        # "the fastest configuration measured", or, when the two throughputs are within noise
+        # (a busy CI host), "the most accurate configuration measured among those ...".
+        assert "run model_size t" in answer.text and "configuration measured" in answer.text
         assert all(role in answer.text for role in ("fastest", "most accurate", "least memory"))
         unit = frame["throughput_unit"].dropna().iloc[0]
         assert re.search(r"\d (KiB|MiB|GiB)", answer.text) and f" {unit}" in answer.text

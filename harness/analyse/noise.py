@@ -56,3 +56,22 @@ def noise_reason(row: Mapping[str, Any]) -> str | None:
     if on_cpu and free is not None and threads is not None and threads > free + 0.5:
         reasons.append(f"{threads:.0f} threads on {max(free, 0):.1f} free cores")
     return "; ".join(reasons) or None
+
+
+# Two steady throughputs closer than this (relative to the larger) are not told apart: the
+# noise rule accepts timed steps that vary up to MAX_CV as steady, so a difference below that
+# spread can come from the steps alone, and a rerun may reverse it.
+TIE_MARGIN = MAX_CV
+
+
+def throughputs_tie(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two trials' throughputs cannot be told apart: either is noisy (its figure is a
+    moment of a busy machine, not a measurement to rank by), or they differ by less than
+    ``TIE_MARGIN`` of the larger. A trial without a throughput ties with nothing."""
+    x, y = _number(a, "throughput"), _number(b, "throughput")
+    if x is None or y is None:
+        return False
+    if noise_reason(a) or noise_reason(b):
+        return True
+    high = max(abs(x), abs(y))
+    return high == 0 or abs(x - y) < TIE_MARGIN * high

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from harness import contract
+from harness.analyse.noise import TIE_MARGIN, noise_reason, throughputs_tie
 from harness.contract import AXES
 from harness.metrics import METRICS
 from harness.units import format_bytes
@@ -216,30 +217,137 @@ def analyse(
     return ParetoAnalysis(objectives, by, budget, front, groups_frame, dominance, ok)
 
 
-def recommend(
-    frame: pd.DataFrame, budget: float, objective: str = "throughput", top: int = 2
-) -> pd.DataFrame:
-    """The best ``ok`` trials whose measured peak fits ``budget``, best first (ties: less memory).
+def unusable(frame: pd.DataFrame, objectives: list[Objective]) -> str | None:
+    """Why no trial of ``frame`` can be compared on ``objectives`` (one phrase, e.g. ``no trial
+    finished ok (12 crash)``), or None when one can: finished ``ok`` with every objective
+    measured. A decision, a plot or a page drawn from nothing would only look like an answer."""
+    if frame.empty:
+        return "no trial recorded yet"
+    if feasible(frame, objectives, None).any():
+        return None
+    counts = frame["status"].value_counts()
+    statuses = ", ".join(f"{n} {status}" for status, n in counts.items())
+    ok = frame[frame["status"].eq("ok")]
+    if ok.empty:
+        return f"no trial finished ok ({statuses})"
+    never = [o.metric for o in objectives if o.metric not in ok or ok[o.metric].isna().all()]
+    if never:
+        return f"none of its {len(ok)} ok trials measured {' or '.join(never)} ({statuses})"
+    wanted = " and ".join(o.metric for o in objectives)
+    return f"none of its {len(ok)} ok trials measured {wanted} together ({statuses})"
 
-    Empty when nothing fits; the caller says so.
-    """
+
+@dataclass(frozen=True)
+class Ranking:
+    """Trials best first for a recommendation, and which of them the objective could not tell
+    apart (``tier``: equal numbers tie on the objective; 0 is the first place)."""
+
+    trials: pd.DataFrame
+    tier: pd.Series  # per row of ``trials``, same index
+    objective: str
+
+    def tied_in(self, top: int) -> bool:
+        """Whether a tie on the objective decided the order of the first ``top`` trials."""
+        shown = set(self.tier.iloc[:top])
+        return bool(self.tier.isin(shown).sum() > len(shown))
+
+    def tie_note(self, top: int) -> str | None:
+        """The one line a table or page shows when ties decided its first ``top`` trials."""
+        if not self.tied_in(top):
+            return None
+        by = "accuracy, then lower peak memory" if self.has_accuracy else "lower peak memory"
+        return (
+            f"throughputs within noise (a noisy figure, or less than {TIE_MARGIN:.0%} apart): "
+            f"ranked by {by}"
+        )
+
+    @property
+    def has_accuracy(self) -> bool:
+        return "accuracy" in self.trials and bool(self.trials["accuracy"].notna().any())
+
+
+def throughput_tiers(frame: pd.DataFrame) -> pd.Series:
+    """Per trial, its place on throughput when differences within noise do not count (0 is
+    the first place). Steady trials: the fastest leads tier 0 with every steady trial less than
+    ``TIE_MARGIN`` behind it; the fastest of the rest leads tier 1, and so on (judged against
+    each tier's leader, so a chain of small steps never merges a clearly slower trial into the
+    first place). A noisy trial's figure says nothing about its place: it ties with every
+    trial (``throughputs_tie``), so it competes for the first place, tier 0, where the next
+    objective decides. ``frame``: trials with a throughput, a unique index."""
+    order = frame.assign(_memory=frame.get(MEMORY, 0.0)).sort_values(
+        ["throughput", "_memory"], ascending=[False, True], kind="stable"
+    )
+    rows = list(order.iterrows())
+    tiers = {index: 0 for index, row in rows if noise_reason(row)}
+    steady = [(index, row) for index, row in rows if index not in tiers]
+    tier = 0
+    for index, leader in steady:
+        if index in tiers:
+            continue
+        for other, row in steady:
+            if other not in tiers and (other == index or throughputs_tie(leader, row)):
+                tiers[other] = tier
+        tier += 1
+    return pd.Series(tiers, dtype=int).reindex(frame.index)
+
+
+def rank_within_noise(frame: pd.DataFrame) -> Ranking:
+    """``frame``'s trials by throughput, best first, never by a difference the noise rule
+    cannot tell apart: trials in one ``throughput_tiers`` tier are ranked by accuracy (higher
+    first), then by peak memory (lower first), then by throughput. Pure: the same trials give
+    the same order."""
+    if not frame.index.is_unique:
+        frame = frame.reset_index(drop=True)
+    tier = throughput_tiers(frame)
+    keys = frame.assign(_tier=tier)
+    by, ascending = ["_tier"], [True]
+    for column, up in (("accuracy", False), (MEMORY, True), ("throughput", False)):
+        if column in keys:
+            by.append(column)
+            ascending.append(up)
+    ordered = keys.sort_values(by, ascending=ascending, na_position="last", kind="stable")
+    return Ranking(ordered.drop(columns="_tier"), ordered["_tier"], "throughput")
+
+
+def rank_fits(frame: pd.DataFrame, budget: float, objective: str = "throughput") -> Ranking:
+    """The ``ok`` trials whose measured peak fits ``budget``, best first: by throughput within
+    noise (``rank_within_noise``) or by accuracy (ties: less memory). Empty when nothing fits;
+    the caller says so."""
     if objective not in frame.columns:
         raise ValueError(f"the results have no column {objective!r}")
     fits = frame[
         frame["status"].eq("ok") & frame[MEMORY].le(budget).fillna(False) & frame[objective].notna()
     ]
-    ranked = fits.sort_values([objective, MEMORY], ascending=[False, True])
-    return ranked.head(top)
+    if objective == "throughput":
+        return rank_within_noise(fits)
+    ranked = fits.sort_values([objective, MEMORY], ascending=[False, True], kind="stable")
+    return Ranking(ranked, pd.Series(range(len(ranked)), index=ranked.index), objective)
 
 
-def gives_up(best: pd.Series, runner_up: pd.Series, objective: str) -> str:
-    """What choosing the runner-up instead of the best costs and saves, in words."""
+def recommend(
+    frame: pd.DataFrame, budget: float, objective: str = "throughput", top: int = 2
+) -> pd.DataFrame:
+    """The best ``top`` of ``rank_fits``: throughputs within noise ranked by accuracy, then by
+    less memory. Empty when nothing fits; the caller says so."""
+    return rank_fits(frame, budget, objective).trials.head(top)
+
+
+def gives_up(best: pd.Series, runner_up: pd.Series, objective: str, tied: bool = False) -> str:
+    """What choosing the runner-up instead of the best costs and saves, in words. ``tied``:
+    their throughputs are within noise, so the change in it is no measured difference, and the
+    accuracy that ranked them is said too."""
 
     def change(metric: str) -> str:
         a, b = float(best[metric]), float(runner_up[metric])
         return f"{(b - a) / a:+.1%}" if a else "n/a"
 
+    said = f"{objective} {change(objective)}"
+    if tied:
+        said += " (within noise)"
+        a, b = best.get("accuracy"), runner_up.get("accuracy")
+        if objective != "accuracy" and not (pd.isna(a) or pd.isna(b)):
+            said += f", accuracy {float(b) - float(a):+.3f}"
     return (
-        f"{objective} {change(objective)}, peak memory {change(MEMORY)} "
+        f"{said}, peak memory {change(MEMORY)} "
         f"({format_bytes(runner_up[MEMORY], short=True)} vs {format_bytes(best[MEMORY], short=True)})"
     )

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from harness.analyse.pareto import MEMORY, Objective, ParetoAnalysis, non_dominated
+from harness.analyse.pareto import MEMORY, Objective, ParetoAnalysis, non_dominated, unusable
 from harness.analyse.style import (
     BREAKDOWN_COLOURS,
     BREAKDOWN_LABELS,
@@ -182,6 +182,11 @@ class ParetoLayout:
 
 
 def pareto_layout(frame: pd.DataFrame, analysis: ParetoAnalysis) -> ParetoLayout:
+    """What the Pareto plots draw; ``ValueError`` when no trial can be compared (empty axes
+    would pass for a picture of the sweep)."""
+    reason = unusable(frame, analysis.objectives)
+    if reason:
+        raise ValueError(f"nothing to plot: {reason}")
     out = frame[~analysis.feasible]
     out_memory = infeasible_memory(out)
     placed = out[np.isfinite(out_memory) & (out_memory > 0)]
@@ -394,7 +399,11 @@ def pareto_figure(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> 
 
 
 def breakdown_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per ``ok`` configuration, its peak's parts; ``ValueError`` when no trial finished ok
+    (no bars to draw)."""
     ok = frame[frame["status"].eq("ok")].copy()
+    if ok.empty:
+        raise ValueError(f"nothing to plot: {unusable(frame, [])}")
     ok["config"] = ok.apply(config_label, axis=1) if not ok.empty else pd.Series(dtype=str)
     columns = [c for c in BREAKDOWN if c in ok]
     data = ok.set_index("config")[columns].fillna(0.0)

@@ -16,8 +16,8 @@ from typing import Any
 import pandas as pd
 
 from harness.analyse import plots, timelines
-from harness.analyse.noise import NOISY_MARK, noise_reason
-from harness.analyse.pareto import MEMORY, Objective, ParetoAnalysis, recommend
+from harness.analyse.noise import NOISY_MARK, noise_reason, throughputs_tie
+from harness.analyse.pareto import MEMORY, Objective, ParetoAnalysis, rank_fits, unusable
 from harness.analyse.style import BREAKDOWN_LABELS
 from harness.contract import AXES
 from harness.record.results import ResultsError, Sweep, trial_timeline
@@ -155,13 +155,15 @@ def extremes(frame: pd.DataFrame) -> list[tuple[str, pd.Series]]:
 
 
 def trade(chosen: pd.Series, other: pd.Series) -> str:
-    """What running ``chosen`` instead of ``other`` gives up and gains, in words."""
+    """What running ``chosen`` instead of ``other`` gives up and gains, in words; throughputs
+    within noise (``throughputs_tie``) are neither, and the text says so."""
     if chosen.name == other.name:
         return "- (the recommendation itself)"
     gives: list[str] = []
     gains: list[str] = []
     a, b = chosen.get("throughput"), other.get("throughput")
-    if not (_missing(a) or _missing(b)) and float(b) > 0:
+    tied = throughputs_tie(chosen, other)  # a difference the noise rule cannot tell apart
+    if not (_missing(a) or _missing(b)) and float(b) > 0 and not tied:
         ratio = float(a) / float(b)
         if ratio < 0.995:
             gives.append(f"{1 - ratio:.0%} of the throughput")
@@ -185,7 +187,8 @@ def trade(chosen: pd.Series, other: pd.Series) -> str:
         else:
             gains.append(f"{format_bytes(b - a, short=True)} less memory")
     text = "gives up " + (", ".join(gives) if gives else "nothing")
-    return text + ("; gains " + ", ".join(gains) if gains else "")
+    text += ("; gains " + ", ".join(gains)) if gains else ""
+    return text + ("; throughput within noise" if tied else "")
 
 
 def budget_of(sweep: Sweep, analysis: ParetoAnalysis) -> tuple[float | None, str]:
@@ -211,11 +214,17 @@ def recommendation_section(
     objective = recommendation_objective(objectives, frame)
     best_word = "fastest" if objective == "throughput" else "most accurate"
     has_memory = MEMORY in frame and frame[MEMORY].notna().any()
-    ranked = (
-        recommend(frame, budget if budget is not None else float("inf"), objective, top=1)
+    ranking = (
+        rank_fits(frame, budget if budget is not None else float("inf"), objective)
         if objective in frame and has_memory
-        else frame.iloc[0:0]
+        else None
     )
+    ranked = ranking.trials.head(1) if ranking is not None else frame.iloc[0:0]
+    tie = ranking.tie_note(1) if ranking is not None else None
+    among = ""
+    if tie and ranking is not None:  # accuracy or memory decided the first place, not noise
+        best_word = "most accurate" if ranking.has_accuracy else "least-memory"
+        among = " among those whose throughputs are within noise of the fastest"
     where = (
         f"Within <b>{html.escape(format_bytes(budget))}</b> ({source})"
         if budget is not None
@@ -245,8 +254,10 @@ def recommendation_section(
         )
         parts.append(
             f"<p class='answer'>{where}, run <b>{html.escape(config_words(best))}</b>: "
-            f"the {best_word} configuration {fits}: {numbers} (MLflow run {link(best)}).</p>"
+            f"the {best_word} configuration {fits}{among}: {numbers} (MLflow run {link(best)}).</p>"
         )
+        if tie:
+            parts.append(f"<p class='note'>{html.escape(tie)}.</p>")
         reason = noise_reason(best)
         if reason:
             parts.append(
@@ -367,7 +378,12 @@ def write_report(
     experiment_id: str | None = None,
 ) -> Path:
     """Write the page. ``mlflow_ui``: the MLflow UI the trial links open (``make ui``'s by
-    default); ``experiment_id``: the sweep's MLflow experiment (default: looked up)."""
+    default); ``experiment_id``: the sweep's MLflow experiment (default: looked up).
+    ``ValueError`` (and no file) when no trial can be compared (``unusable``): a page without
+    one would read as an answer."""
+    reason = unusable(sweep.frame, analysis.objectives)
+    if reason:
+        raise ValueError(f"nothing to report: {reason}")
     experiment_id = experiment_id or experiment_of(sweep)
 
     def link(row: pd.Series) -> str:

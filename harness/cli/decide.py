@@ -19,12 +19,14 @@ from harness.analyse.pareto import (
     MEMORY,
     Objective,
     ParetoAnalysis,
+    Ranking,
     analyse,
     gives_up,
     group_column,
     parse_objectives,
+    rank_fits,
+    unusable,
 )
-from harness.analyse.pareto import recommend as ranked_fits
 from harness.cli.common import (
     cell,
     experiment_option,
@@ -69,10 +71,24 @@ def run_analysis(
 ) -> ParetoAnalysis:
     if sweep.frame.empty:
         raise click.ClickException("the sweep has no trials recorded yet")
+    require_usable(sweep, objectives)
     try:
         return analyse(sweep.frame, objectives, group_column(sweep.frame, by), budget)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
+
+
+def require_usable(sweep: Sweep, objectives: list[Objective]) -> None:
+    """One line and exit 1 when no trial finished ok with every objective measured: a front,
+    a picture or a page drawn from nothing would pass for an answer, so none is written."""
+    reason = unusable(sweep.frame, objectives)
+    if reason is None:
+        return
+    hints = failure_hints(sweep) or ["see harness results"]
+    raise click.ClickException(
+        f"sweep {sweep.parent_run_id[:8]} of {sweep.experiment}: {reason}; nothing to compare; "
+        + "; ".join(hints)
+    )
 
 
 def write_pareto_files(sweep: Sweep, analysis: ParetoAnalysis, folder: Path) -> list[Path]:
@@ -157,13 +173,21 @@ def recommend(
     console = make_console()
     limit = budget_option(budget)
     sweep = open_sweep(experiment, sweep_id, tracking_uri)
-    ranked = ranked_fits(sweep.frame, limit, objective)
+    require_usable(sweep, [Objective(objective, "maximize"), Objective(MEMORY, "minimize")])
+    try:
+        ranking = rank_fits(sweep.frame, limit, objective)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    ranked = ranking.trials.head(2)
     if ranked.empty:
         click.echo(nothing_fits(sweep, limit), err=True)
         raise SystemExit(2)
     best = ranked.iloc[0]
     columns = [*AXES, MEMORY, "throughput", "accuracy"]
     show(ranked, f"Best within {format_bytes(limit)}", console, [c for c in columns if c in ranked])
+    tie = ranking.tie_note(len(ranked))
+    if tie:
+        console.print(tie, soft_wrap=True, highlight=False, markup=False)
     console.print(
         f"Recommended: {' '.join(str(best[c]) for c in AXES)} "
         f"({objective} {cell(objective, best[objective], best)}, "
@@ -175,10 +199,15 @@ def recommend(
         runner = ranked.iloc[1]
         console.print(
             f"Runner-up: {' '.join(str(runner[c]) for c in AXES)}: "
-            f"{gives_up(best, runner, objective)}",
+            f"{gives_up(best, runner, objective, tied=same_tier(ranking))}",
             soft_wrap=True,
             highlight=False,
         )
+
+
+def same_tier(ranking: Ranking) -> bool:
+    """Whether the best and the runner-up tie on the objective (within noise)."""
+    return len(ranking.tier) > 1 and ranking.tier.iloc[0] == ranking.tier.iloc[1]
 
 
 def nothing_fits(sweep: Sweep, limit: float) -> str:
@@ -196,6 +225,16 @@ def nothing_fits(sweep: Sweep, limit: float) -> str:
         )
     counts = frame["status"].value_counts()
     statuses = ", ".join(f"{n} {status}" for status, n in counts.items())
+    return f"nothing to recommend: no trial of {where} finished ok ({statuses}); " + "; ".join(
+        failure_hints(sweep)
+    )
+
+
+def failure_hints(sweep: Sweep) -> list[str]:
+    """What to do about the trials that did not finish ok: run the infeasible ones, give the
+    oom ones memory, read the other failures' reasons. Empty when every trial finished ok."""
+    frame = sweep.frame
+    counts = frame["status"].value_counts()
     hints = []
     if counts.get("infeasible"):
         device = sweep.device_memory
@@ -216,11 +255,9 @@ def nothing_fits(sweep: Sweep, limit: float) -> str:
             "device, smaller batch sizes or a memory strategy (checkpoint, bf16_params, "
             "accumulate:N)"
         )
-    if set(counts.index) - {"infeasible", "oom"}:
+    if set(counts.index) - {"infeasible", "oom", "ok"}:
         hints.append("harness results shows each failure_reason")
-    return f"nothing to recommend: no trial of {where} finished ok ({statuses}); " + "; ".join(
-        hints
-    )
+    return hints
 
 
 def budget_at_least(num: float) -> str:
