@@ -53,20 +53,13 @@ def cards(cards_file: Path | None, fmt: str) -> None:
 
 def show_cards(frame: object) -> None:
     from rich import box
-    from rich.table import Table
 
-    from harness.cli.common import make_console
+    from harness.cli.common import make_console, print_table
     from harness.units import format_bytes
 
-    table = Table(
-        title="cards (memory: what PyTorch reports as total_memory)",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    for heading in ("card", "memory", "sm", "SMs", "16-bit TFLOPS", "TB/s", "context", "link"):
-        table.add_column(heading, justify="left" if heading in ("card", "link") else "right")
-    for row in frame.to_dict("records"):  # type: ignore[attr-defined]
-        table.add_row(
+    headings = ("card", "memory", "sm", "SMs", "16-bit TFLOPS", "TB/s", "context", "link")
+    rows = [
+        [
             row["card"],
             format_bytes(row["memory_bytes"], short=True),
             row["compute_capability"],
@@ -76,9 +69,20 @@ def show_cards(frame: object) -> None:
             f"{format_bytes(row['context_bytes'], short=True)}"
             + ("" if row["context"] == "measured" else " *"),
             row["interconnect"],
-        )
+        ]
+        for row in frame.to_dict("records")  # type: ignore[attr-defined]
+    ]
     console = make_console()
-    console.print(table)
+    print_table(
+        console,
+        headings,
+        [heading not in ("card", "link") for heading in headings],
+        rows,
+        "--format json shows every field",
+        title="cards (memory: what PyTorch reports as total_memory)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     console.print(
         "peaks are dense (no sparsity); * context assumed: SMs x resident threads x 1 KiB of "
         "stack + 133 MiB (docs/cards.md); --format json gives every number's source",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Integral, Number
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,11 @@ def make_console() -> Console:
 
 
 class SpecAwareGroup(click.Group):
-    """Turns a bad spec into one line per problem and exit code 2, never a traceback."""
+    """Turns a bad spec into one line per problem and exit code 2, never a traceback; so is a
+    store that fails (``StoreError``, or a database error that got past the store checks)."""
+
+    # How the read commands name the store they were given (``harness.record.store_checks``).
+    STORE_LABELS = (("tracking_uri", "--tracking-uri"),)
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -43,6 +47,18 @@ class SpecAwareGroup(click.Group):
             where = f"{error.filename}: " if error.filename else ""
             click.echo(f"harness: {where}{error.strerror or error}", err=True)
             ctx.exit(1)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # said already, or an exit asked for
+        except Exception as error:
+            from harness.record.store_checks import escaped_store_error
+
+            line = escaped_store_error(error, dict(self.STORE_LABELS))
+            if line is None:
+                raise
+            # Said as click says a bad option, or as a bad spec field is (``file: field: ...``).
+            option = line.startswith(tuple(option for _, option in self.STORE_LABELS))
+            click.echo(f"Error: {line}" if option else line, err=True)
+            ctx.exit(2)
 
 
 def tracking_uri_option(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,13 +90,18 @@ def sweep_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def open_sweep(experiment: str | None, sweep_id: str, tracking_uri: str) -> Any:
-    """The recorded sweep, or a one-line error saying what to do."""
+    """The recorded sweep, or a one-line error saying what to do (exit 2 when the store
+    itself is unusable: unreachable, missing, damaged, not MLflow's)."""
     from harness.record.results import ResultsError, load_sweep
+    from harness.record.store_checks import StoreError
 
     try:
         return load_sweep(experiment, tracking_uri, sweep_id)
     except ResultsError as error:
         raise click.ClickException(str(error)) from None
+    except StoreError as error:
+        label = dict(SpecAwareGroup.STORE_LABELS).get(error.label)
+        raise OneLineError(error.line(label)) from None
 
 
 def output_dir(sweep: Any, out_dir: Path | None) -> Path:
@@ -183,9 +204,193 @@ def noise_footnote(frame: pd.DataFrame) -> str | None:
     example = common if len(set(reasons)) == 1 else f"e.g. {common}"
     line = (
         f"{NOISY_MARK} {len(reasons)} of {len(measured)} throughputs were measured on a busy "
-        f"machine or with unsteady steps ({example}): do not compare them; rerun on an idle host"
+        f"machine or with unsteady steps ({example}): do not compare them; rerun on an idle host "
+        "(docs/measuring.md#stable-cpu-timings)"
     )
-    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 1] + "…"
+    return wrap_note(line)
+
+
+def wrap_note(line: str, width: int | None = None) -> str:
+    """A note under a table, whole, on as many lines as it takes within ``width`` (default
+    ``MAX_LINE``, or the terminal's when narrower): a cut note tells nobody what to do."""
+    import textwrap
+
+    width = min(width or MAX_LINE, terminal_width() or MAX_LINE)
+    return textwrap.fill(
+        " ".join(line.split()), width=max(width, 40), subsequent_indent="  ", break_on_hyphens=False
+    )
+
+
+def terminal_width() -> int | None:
+    """The terminal's columns when stdout is one (or ``COLUMNS`` says how wide), else None:
+    a pipe or a file gets whole lines, as wide as the cells."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console().width
+    return None
+
+
+TEXT_FOLD = 8  # the narrowest a text column folds to (wider where its heading's word is)
+HEADING_WORD = 12  # a heading word longer than this folds rather than widen its column
+
+
+def _widest_line(text: str) -> int:
+    from rich.cells import cell_len
+
+    return max((cell_len(line) for line in text.splitlines()), default=0)
+
+
+def _longest_word(text: str) -> int:
+    from rich.cells import cell_len
+
+    return min(max((cell_len(word) for word in text.split()), default=0), HEADING_WORD)
+
+
+def table_layout(
+    headings: Sequence[str],
+    numeric: Sequence[bool],
+    rows: Sequence[Sequence[str]],
+    width: int | None,
+    overhead: Callable[[int], int],
+    spare: Sequence[int] = (),
+) -> tuple[list[int], list[int]]:
+    """Which columns a table of ``width`` columns shows (by index) and each one's width.
+
+    A number is never cut: a numeric column is as wide as its widest cell, only its heading
+    folds. The widest column narrows first; text folds down to ``TEXT_FOLD``. Where even that
+    does not fit, columns are left out: first those in ``spare`` (the caller's least needed,
+    numbers included), then text columns from the right (never the first, which names the
+    row). Where that is still too wide, every column stays and the table is wider than asked:
+    a terminal folds its lines, nothing is hidden or cut. ``overhead(n)``: what borders and
+    padding add to ``n`` columns."""
+    count = len(headings)
+    cells = [max((_widest_line(row[i]) for row in rows), default=0) for i in range(count)]
+    natural = [max(cells[i], _widest_line(headings[i]), 1) for i in range(count)]
+    least = [
+        max(cells[i], _longest_word(headings[i]), 1)
+        if numeric[i]
+        else min(natural[i], max(TEXT_FOLD, _longest_word(headings[i])))
+        for i in range(count)
+    ]
+    every = list(range(count))
+    if width is None or sum(natural) + overhead(count) <= width:
+        return every, natural
+
+    def fits(shown: list[int]) -> bool:
+        return sum(least[i] for i in shown) + overhead(len(shown)) <= width
+
+    text = [i for i in reversed(every[1:]) if not numeric[i]]
+    shown = every
+    for index in dict.fromkeys([*spare, *text]):  # in order, once each
+        if fits(shown):
+            break
+        shown = [i for i in shown if i != index]
+    if not fits(shown):
+        shown = every  # leaving columns out does not make it fit: show them all, narrowest
+    room = max(width - overhead(len(shown)), sum(least[i] for i in shown))
+    widths = {i: natural[i] for i in shown}
+    while sum(widths.values()) > room:  # the widest column that can give gives one, in turn
+        wider = [i for i in shown if widths[i] > least[i]]
+        widths[max(wider, key=widths.__getitem__)] -= 1
+    return shown, [widths[i] for i in shown]
+
+
+def terminal_table(
+    headings: Sequence[str],
+    numeric: Sequence[bool],
+    rows: Sequence[Sequence[str]],
+    width: int | None = None,
+    spare: Sequence[int] = (),
+    **options: Any,
+) -> tuple[Table, list[str], int]:
+    """A rich ``Table(**options)`` of ``rows`` (cells as text) laid out by ``table_layout`` for
+    ``width`` (None: as wide as its cells; ``spare``: the columns to leave out first):
+    numbers right-aligned and never wrapped, text left-aligned and folded; the headings left
+    out; the width the table takes."""
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    measurer = Console(file=io.StringIO(), width=100_000)
+    rows = [[str(value) for value in row] for row in rows]
+
+    def overhead(count: int) -> int:
+        probe = Table(**options)
+        for _ in range(count):
+            probe.add_column(width=1)
+        return Measurement.get(measurer, measurer.options, probe).maximum - count
+
+    shown, widths = table_layout(headings, numeric, rows, width, overhead, spare)
+    table = Table(**options)
+    for index, column_width in zip(shown, widths, strict=True):
+        table.add_column(
+            Text(fold(headings[index], column_width), no_wrap=False, overflow="fold"),
+            justify="right" if numeric[index] else "left",
+            width=column_width,
+            no_wrap=numeric[index],
+            overflow="fold",
+        )
+    width_of = dict(zip(shown, widths, strict=True))
+    for row in rows:
+        table.add_row(*(Text(row[i] if numeric[i] else fold(row[i], width_of[i])) for i in shown))
+    left_out = [" ".join(headings[i].split()) for i in range(len(headings)) if i not in shown]
+    return table, left_out, sum(widths) + overhead(len(shown))
+
+
+def fold(text: str, width: int) -> str:
+    """``text`` in lines of at most ``width``, broken at spaces and, in a word longer than
+    ``width``, after a ``/``, ``_``, ``+``, ``-`` or ``,`` (``activation_`` / ``checkpointing``,
+    not ``activatio`` / ``n_checkp``...): rich breaks only at spaces, then anywhere. A part
+    still longer than ``width`` is left to rich."""
+    import re
+
+    if _widest_line(text) <= width:
+        return text
+    lines: list[str] = []
+    for line in text.splitlines():
+        current = ""
+        parts: list[str] = []
+        for word in re.split(r"(?<= )", line):  # each word with its space
+            long = len(word.rstrip()) > width
+            parts += re.split(r"(?<=[/_+,-])", word) if long else [word]
+        for part in parts:
+            if current and len((current + part).rstrip()) > width:
+                lines.append(current.rstrip())
+                current = ""
+            current += part
+        lines.append(current.rstrip())
+    return "\n".join(lines)
+
+
+def left_out_line(headings: Sequence[str], width: int, how: str) -> str:
+    """The one line under a table that had to leave columns out to fit the terminal."""
+    return f"left out to fit {width} columns: {', '.join(headings)} ({how})"
+
+
+def print_table(
+    console: Console,
+    headings: Sequence[str],
+    numeric: Sequence[bool],
+    rows: Sequence[Sequence[str]],
+    how: str,
+    spare: Sequence[int] = (),
+    **options: Any,
+) -> None:
+    """A table on ``console`` that fits its width without ever cutting a number (see
+    ``table_layout``; ``spare``: the columns to leave out first); ``how``: how to see the
+    columns it left out, said in one line."""
+    table, left_out, needed = terminal_table(
+        headings, numeric, rows, console.width, spare, **options
+    )
+    width = console.width
+    try:
+        console.width = max(width, needed)  # numbers wider than the terminal: it folds lines
+        console.print(table)
+    finally:
+        console.width = width
+    if left_out:
+        console.print(left_out_line(left_out, width, how), highlight=False, markup=False)
+
+
+LEFT_OUT_HOW = "--columns picks columns; --wide or --format csv shows every one"
 
 
 def table_text(
@@ -193,34 +398,56 @@ def table_text(
     columns: list[str] | None = None,
     headings: Mapping[str, str] | None = None,
     title: str | None = None,
+    width: int | None = None,
+    how: str = LEFT_OUT_HOW,
+    spare: Sequence[str] = (),
 ) -> str:
-    """``frame``'s ``columns`` (default: all) as a plain-text table as wide as its cells (a
-    pager or the terminal folds it, never rich), each cell by ``cell`` (``breakdown``:
-    ``breakdown_cell``), numbers right-aligned, ``title`` on the line above."""
+    """``frame``'s ``columns`` (default: all) as a plain-text table, each cell by ``cell``
+    (``breakdown``: ``breakdown_cell``), numbers right-aligned, ``title`` on the line above.
+    ``width`` None: as wide as its cells (a pager or the terminal folds it); else laid out to
+    fit it by ``table_layout`` (``spare``: the columns to leave out first), with a line saying
+    which columns were left out (``how``: how to see them)."""
     from rich import box
 
     columns = list(frame.columns) if columns is None else columns
     headings = headings or {}
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
-    for column in columns:
-        numeric = column == BREAKDOWN or (
+    numeric = [
+        column == BREAKDOWN
+        or (
             column in frame
             and pd.api.types.is_numeric_dtype(frame[column])
             and not pd.api.types.is_bool_dtype(frame[column])
         )
-        heading = headings.get(column, BREAKDOWN_HEADING if column == BREAKDOWN else column)
-        table.add_column(heading, justify="right" if numeric else "left", no_wrap=True)
-    for _, row in frame.iterrows():
-        table.add_row(
-            *(
-                breakdown_cell(row) if column == BREAKDOWN else cell(column, row[column], row)
-                for column in columns
-            )
-        )
+        for column in columns
+    ]
+    rows = [
+        [
+            breakdown_cell(row) if column == BREAKDOWN else cell(column, row[column], row)
+            for column in columns
+        ]
+        for _, row in frame.iterrows()
+    ]
+    shown = [
+        headings.get(column, BREAKDOWN_HEADING if column == BREAKDOWN else column)
+        for column in columns
+    ]
+    table, left_out, _ = terminal_table(
+        shown,
+        numeric,
+        rows,
+        width,
+        [columns.index(column) for column in spare if column in columns],
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     console = Console(file=io.StringIO(), width=100_000, color_system=None)
     console.print(table, highlight=False)
     text = console.file.getvalue()  # type: ignore[attr-defined]
     text = "\n".join(line.rstrip() for line in text.splitlines()).strip("\n")
+    if left_out and width is not None:
+        text += "\n" + left_out_line(left_out, width, how)
     return text if title is None else f"{title}\n{text}"
 
 
@@ -228,8 +455,10 @@ def show(
     frame: pd.DataFrame, title: str, console: Console, columns: list[str] | None = None
 ) -> None:
     """``frame``'s ``columns`` (default: all) as a table on ``console`` under its title, cells
-    by ``cell``, with the noise footnote where a throughput is marked."""
-    text = table_text(frame, columns, HEADINGS, title=f"\n{title}")
+    by ``cell``, with the noise footnote where a throughput is marked; laid out to fit the
+    console's width, numbers never cut."""
+    how = "`harness results --columns` shows any column"
+    text = table_text(frame, columns, HEADINGS, f"\n{title}", console.width, how)
     console.print(text, highlight=False, markup=False, soft_wrap=True)
     footnote = noise_footnote(frame)
     if footnote:

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from harness.cli.common import card_options, emit, make_console, prediction_target
+from harness.cli.common import card_options, emit, make_console, prediction_target, print_table
 from harness.spec import SpecError, load_spec, with_card
 from harness.units import format_bytes, parse_bytes
 
@@ -118,21 +118,23 @@ def show_fit(
     frame: Any, spec: Any, budgets: list[int], axis: str, target: str, seconds: float
 ) -> None:
     """The matrix (configurations × cards), then how the answers were found."""
-    from rich.table import Table
-
     console = make_console()
     noun = "batch" if axis == "batch_size" else "sequence length"
-    table = Table(title=f"{spec.name}: the largest {noun} that fits, predicted for {target}")
-    for column in ("size", "dtype", "strategy"):
-        table.add_column(column, no_wrap=True)
-    for budget in budgets:
-        table.add_column(format_bytes(budget, short=True), justify="right", no_wrap=True)
-    for (size, dtype, strategy), rows in frame.groupby(
+    headings = ["size", "dtype", "strategy", *(format_bytes(b, short=True) for b in budgets)]
+    rows = []
+    for (size, dtype, strategy), group in frame.groupby(
         ["model_size", "dtype", "strategy"], sort=False
     ):
-        by_budget = {int(r["budget_bytes"]): r for r in rows.to_dict("records")}
-        table.add_row(size, dtype, strategy, *(cell(by_budget[b], axis) for b in budgets))
-    console.print(table)
+        by_budget = {int(r["budget_bytes"]): r for r in group.to_dict("records")}
+        rows.append([size, dtype, strategy, *(cell(by_budget[b], axis) for b in budgets)])
+    print_table(
+        console,
+        headings,
+        [False] * 3 + [True] * len(budgets),  # a budget's answer is never cut
+        rows,
+        "--format csv or json shows every column",
+        title=f"{spec.name}: the largest {noun} that fits, predicted for {target}",
+    )
     answered = frame[frame["value"].fillna(0) > 0]
     counts = frame["predictions"].dropna()
     methods = answered["method"].value_counts().to_dict() if len(answered) else {}

@@ -111,15 +111,25 @@ TABLE_COLUMNS = {
 
 
 CROSS_CHECKS = ("predicted_model_state_bytes", "closed_form_model_state_bytes")
+# What a narrow terminal leaves out first (named under the table): the cross-checks, then
+# the breakdown's parts from the right; the axes, the peak figures and fits stay.
+SPARE_COLUMNS = (
+    *CROSS_CHECKS[::-1],
+    "num_params",
+    "predicted_mem_other_bytes",
+    "predicted_mem_activation_bytes",
+    "predicted_mem_optim_bytes",
+    "predicted_mem_grad_bytes",
+    "predicted_mem_param_bytes",
+)
 
 
 def show_estimate(frame: Any, spec: Any, target: str) -> None:
     """The estimate as a table people read: a column per part of the breakdown, the axes that
     do not vary named once in the title, why a row has no prediction in a note under it."""
     from rich import box
-    from rich.table import Table
 
-    from harness.cli.common import make_console
+    from harness.cli.common import make_console, print_table
 
     columns = [c for c in TABLE_COLUMNS if c in frame.columns]
     fixed = [c for c in ("model_size", "batch_size", "dtype") if frame[c].nunique() == 1]
@@ -127,19 +137,9 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     cuda = "predicted_device_bytes" in frame
     if cuda:  # two more figures to show: the model-state cross-checks stay in csv/json
         columns = [c for c in columns if c not in CROSS_CHECKS]
-    where = ", ".join(f"{TABLE_COLUMNS[c]} {frame[c].iloc[0]}" for c in fixed)
     budget = format_bytes(spec.memory_budget, short=True) if spec.memory_budget else ""
-    card = f" ({frame['card'].iloc[0]})" if "card" in frame and frame["card"].notna().any() else ""
-    table = Table(
-        title=f"{spec.experiment}: predicted peak memory on {target}{card}, nothing run ({where})",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    for column in columns:
-        left = column in ("model_size", "dtype", "strategy")
-        heading = TABLE_COLUMNS[column] + (f"\n{budget}" if column == "fits" else "")
-        table.add_column(heading, justify="left" if left else "right", no_wrap=True)
+    headings = [TABLE_COLUMNS[c] + (f"\n{budget}" if c == "fits" else "") for c in columns]
+    rows: list[list[str]] = []
     reasons: list[str] = []
     for _, row in frame.iterrows():
         cells = [estimate_cell(column, row[column]) for column in columns]
@@ -147,9 +147,20 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
         if why:
             reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {'; '.join(why)}")
             cells[columns.index("strategy")] += f" [{len(reasons)}]"
-        table.add_row(*cells)
+        rows.append(cells)
     console = make_console()
-    console.print(table)
+    print_table(
+        console,
+        headings,
+        [c not in ("model_size", "dtype", "strategy") for c in columns],
+        rows,
+        "--format csv or json shows every column",
+        [columns.index(c) for c in SPARE_COLUMNS if c in columns],
+        title=estimate_title(frame, spec, target, fixed),
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     console.print(
         "allocated = params + grads + optim + activ. + other at the step's worst moment"
         + (
@@ -178,6 +189,18 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
         )
     for note in sorted({n for n in frame.get("note", []) if isinstance(n, str)}):
         console.print(f"prediction: {note}", highlight=False)
+
+
+def estimate_title(frame: Any, spec: Any, target: str, fixed: list[str]) -> str:
+    """What was predicted, for which device and card, and what every row shares."""
+    cards = frame["card"].dropna().unique() if "card" in frame else []
+    device = f"{target} ({', '.join(map(str, cards))})" if len(cards) else target
+    title = (
+        f"{spec.experiment}: peak memory of {len(frame)} trials predicted for {device} "
+        "on fake tensors, nothing run"
+    )
+    shared = ", ".join(f"{TABLE_COLUMNS[c]} {frame[c].iloc[0]}" for c in fixed)
+    return f"{title}; every row: {shared}" if shared else title
 
 
 def estimate_cell(column: str, value: Any) -> str:

@@ -148,9 +148,8 @@ def _ratio(value: int, recorded: int) -> str:
 def _show(report: dict[str, Any], card_line: str) -> None:
     """The comparison in words, then the settings as a table people read."""
     from rich import box
-    from rich.table import Table
 
-    from harness.cli.common import make_console
+    from harness.cli.common import make_console, print_table
 
     console = make_console()
 
@@ -209,36 +208,44 @@ def _show(report: dict[str, Any], card_line: str) -> None:
     else:
         say("inconsistencies: none")
 
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    table.add_column("settings", no_wrap=True)
-    table.add_column("start", no_wrap=True)
-    for heading in ("peak reserved", "vs card", "peak allocated", "fragmentation"):
-        table.add_column(heading, justify="right", no_wrap=True)
-    for heading in ("retries", "OOMs"):
-        table.add_column(heading, justify="right", no_wrap=True)
-    table.add_row(
-        "the card (recorded)",
-        "-",
-        format_bytes(recorded, short=True),
-        "1.000x" if recorded else "-",
-        format_bytes(report["recorded_peak_allocated_bytes"], short=True),
-        format_bytes(report["recorded_fragmentation_bytes"], short=True),
-        "-",  # a release before a new segment may be a retry or the user's empty_cache()
-        f"{report['recorded_ooms']:,}",
-    )
+    headings = ["settings", "start", "peak reserved", "vs card", "peak allocated"]
+    headings += ["fragmentation", "retries", "OOMs"]
+    rows = [
+        [
+            "the card (recorded)",
+            "-",
+            format_bytes(recorded, short=True),
+            "1.000x" if recorded else "-",
+            format_bytes(report["recorded_peak_allocated_bytes"], short=True),
+            format_bytes(report["recorded_fragmentation_bytes"], short=True),
+            "-",  # a release before a new segment may be a retry or the user's empty_cache()
+            f"{report['recorded_ooms']:,}",
+        ]
+    ]
     for i, row in enumerate(report["what_if"]):
         label = "model: the recorded settings" if i == 0 else f"model: {row['given']}"
-        table.add_row(
-            label,
-            row["start"],
-            format_bytes(row["peak_reserved_bytes"], short=True),
-            _ratio(row["peak_reserved_bytes"], recorded),
-            format_bytes(row["peak_allocated_bytes"], short=True),
-            format_bytes(row["fragmentation_bytes"], short=True),
-            f"{row['alloc_retries']:,}",
-            f"{row['ooms']:,}",
+        rows.append(
+            [
+                label,
+                row["start"],
+                format_bytes(row["peak_reserved_bytes"], short=True),
+                _ratio(row["peak_reserved_bytes"], recorded),
+                format_bytes(row["peak_allocated_bytes"], short=True),
+                format_bytes(row["fragmentation_bytes"], short=True),
+                f"{row['alloc_retries']:,}",
+                f"{row['ooms']:,}",
+            ]
         )
-    console.print(table)
+    print_table(
+        console,
+        headings,
+        [heading not in ("settings", "start") for heading in headings],
+        rows,
+        "--format json shows every field",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     say(
         "fragmentation = reserved - allocated when the peak reservation was reached; start: "
         "adopted = the recorded segments, re-allocated = the blocks alive at the first event "

@@ -1,9 +1,10 @@
 """``harness results``: the results table of a recorded sweep, printed or written to a file.
 
 The printed table is for reading: by default the grid point, status, a short trial key, the
-peak and its breakdown, throughput and accuracy, in 160 columns (``--columns`` picks others,
-``--wide`` shows every column), each cell formatted by ``harness.cli.common.cell``. CSV, JSON
-and Parquet are for programs: every column, raw numbers.
+peak and its breakdown, throughput and accuracy, in 160 columns and fitted to a narrower
+terminal (``--columns`` picks others, ``--wide`` shows every column), each cell formatted by
+``harness.cli.common.cell``, numbers never cut. CSV, JSON and Parquet are for programs: every
+column, raw numbers.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import pandas as pd
 
 from harness.cli.common import (
     BREAKDOWN,
+    BREAKDOWN_HEADING,
     HEADINGS,
-    MAX_LINE,
     OneLineError,
     noise_footnote,
     sweep_options,
     table_text,
+    terminal_width,
+    wrap_note,
 )
 
 FORMATS = ("table", "csv", "parquet", "json")
@@ -37,6 +40,7 @@ DEFAULT_COLUMNS = [
     "throughput",
     "accuracy",
 ]
+SPARE_COLUMNS = ["trial_key", BREAKDOWN]  # what a narrow terminal leaves out first
 
 
 @click.command()
@@ -51,8 +55,9 @@ DEFAULT_COLUMNS = [
 @click.option(
     "--columns",
     default=None,
-    help="Table only: these results columns, in this order, e.g. "
-    "'model_size,strategy,peak_rss_bytes,step_time_ms_p50' ('breakdown': the peak's shares).",
+    help="Table only: these results columns, in this order, by full name or the heading a "
+    "table shows, e.g. 'size,strategy,peak,peak_rss_bytes,step_time_ms_p50' ('breakdown': "
+    "the peak's shares).",
 )
 @click.option("--wide", is_flag=True, help="Table only: every column that has a value.")
 def results(
@@ -92,7 +97,8 @@ def results(
         filled = frame.replace("", None).notna().any()
         text = table_text(frame, [c for c in frame.columns if filled[c]])
     else:
-        text = readable_table(frame, chosen_columns(frame, columns) if columns else None)
+        picked = chosen_columns(frame, columns) if columns else None
+        text = readable_table(frame, picked, None if out else terminal_width())
     if fmt != "parquet":
         if out is None:
             click.echo(text)
@@ -102,25 +108,42 @@ def results(
         click.echo(f"wrote {len(frame)} trials to {out}", err=True)
 
 
-def chosen_columns(frame: pd.DataFrame, text: str) -> list[str]:
-    """``--columns a,b,c`` as a list, or one line naming an unknown column and close ones."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    known = [*frame.columns, BREAKDOWN]
-    for name in names:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise OneLineError(
-                f"--columns: no results column {name!r}{hint} (harness results --wide shows them)"
-            )
-    if not names:
-        raise OneLineError("--columns: name at least one column, e.g. --columns model_size,status")
+def column_names(frame: pd.DataFrame) -> dict[str, str]:
+    """What ``--columns`` takes, lower-cased, and the column each names: every full name and
+    the short heading a table shows it under (``peak``, ``size``, ...), so what you read in
+    a table is what you type."""
+    names = {column.lower(): column for column in [*frame.columns, BREAKDOWN]}
+    for column, heading in {**HEADINGS, BREAKDOWN: BREAKDOWN_HEADING}.items():
+        if column in names.values():
+            names.setdefault(heading.lower(), column)
     return names
 
 
-def readable_table(frame: pd.DataFrame, columns: list[str] | None) -> str:
+def chosen_columns(frame: pd.DataFrame, text: str) -> list[str]:
+    """``--columns a,b,c`` (full names or headings, any case) as a list of columns, or one
+    line naming an unknown column, close ones and every name allowed."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known = column_names(frame)
+    for name in names:
+        if name.lower() not in known:
+            close = difflib.get_close_matches(name.lower(), list(known), n=4, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            full = dict.fromkeys(known.values())  # the full names, in the table's order
+            headings = [h for h, column in known.items() if h != column.lower()]
+            raise OneLineError(
+                f"--columns: no results column {name!r}{hint} (allowed: {', '.join(full)}; "
+                f"or the headings {', '.join(headings)})"
+            )
+    if not names:
+        raise OneLineError("--columns: name at least one column, e.g. --columns model_size,status")
+    return [known[name.lower()] for name in names]
+
+
+def readable_table(frame: pd.DataFrame, columns: list[str] | None, width: int | None = None) -> str:
     """The table people read: the chosen columns (default ``DEFAULT_COLUMNS``), why a trial
-    did not finish in a numbered note under it, and what a throughput's noise mark means."""
+    did not finish in a numbered note under it, and what a throughput's noise mark means.
+    ``width``: a terminal's, which the table fits (text folds or is left out, numbers are
+    never cut); None: as wide as its cells."""
     frame = frame.copy()
     columns = columns or [c for c in DEFAULT_COLUMNS if c in frame.columns or c == BREAKDOWN]
     notes: dict[str, int] = {}
@@ -129,15 +152,10 @@ def readable_table(frame: pd.DataFrame, columns: list[str] | None) -> str:
             if isinstance(reason, str) and reason:
                 number = notes.setdefault(reason, len(notes) + 1)
                 frame.at[index, "status"] = f"{frame.at[index, 'status']} [{number}]"
-    lines = [table_text(frame, columns, HEADINGS)]
+    lines = [table_text(frame, columns, HEADINGS, width=width, spare=SPARE_COLUMNS)]
     for reason, number in notes.items():
-        lines.append(clip(f"[{number}] {reason}"))
+        lines.append(wrap_note(f"[{number}] {reason}", width))
     footnote = noise_footnote(frame) if "throughput" in columns else None
     if footnote:
         lines.append(footnote)
     return "\n".join(lines)
-
-
-def clip(line: str) -> str:
-    line = " ".join(line.split())  # a multi-line reason reads as one line
-    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 1] + "…"

@@ -23,7 +23,15 @@ import pandas as pd
 from harness.contract import DEFAULT_MLFLOW_URI
 from harness.metrics import METRICS
 from harness.record.stores import quiet_mlflow
-from harness.record.tracking import PARENT_TAG, ROLE_TAG, SWEEP_ROLE, TRIAL_ROLE, all_runs
+from harness.record.tracking import (
+    PARENT_TAG,
+    ROLE_TAG,
+    STUDY_TAG,
+    SWEEP_ROLE,
+    TRIAL_ROLE,
+    all_runs,
+    settled_sweep,
+)
 from harness.trial.config import TIMELINE_FILE
 
 # The fixed leading columns (design notes §7), then every metric of §3.
@@ -76,13 +84,19 @@ class ResultsError(Exception):
 
 
 def _client(tracking_uri: str) -> Any:
-    quiet_mlflow()
-    from mlflow.tracking import MlflowClient
+    """A client of a store that is already MLflow's: checked first (``StoreError``: one line),
+    since MLflow would create a missing store, migrate a foreign one or wait minutes on a
+    server that is down."""
+    from harness.record.store_checks import require_tracking_store
 
     if tracking_uri.startswith("sqlite:///"):
         path = Path(tracking_uri.removeprefix("sqlite:///"))
         if not path.exists():
             raise ResultsError(f"no MLflow store at {path}; run a sweep first (make sweep)")
+    require_tracking_store(tracking_uri)  # before MLflow is imported: a bad store answers fast
+    quiet_mlflow()
+    from mlflow.tracking import MlflowClient
+
     return MlflowClient(tracking_uri=tracking_uri)
 
 
@@ -107,7 +121,14 @@ def find_sweep(client: Any, experiment: str | None) -> tuple[str, Any]:
     if not sweeps:
         where = f"experiment {experiment!r}" if experiment else "this store"
         raise ResultsError(f"no sweep recorded in {where}; run one first (make sweep)")
-    return sweeps[0].info.experiment_id, sweeps[0]
+    latest = sweeps[0]
+    # The latest sweep's identity (spec, hardware, search), and of its parent runs the one
+    # with the most recorded trials: a later partial duplicate (a start that lost its study,
+    # before harness found sweeps by their records) must not hide the finished one.
+    study = latest.data.tags.get(STUDY_TAG)
+    settled = settled_sweep(client, [latest.info.experiment_id], study) if study else None
+    chosen = settled or latest
+    return chosen.info.experiment_id, chosen
 
 
 def _sweep_by_id(client: Any, run_id: str) -> str:
@@ -282,6 +303,11 @@ def tidy(frame: pd.DataFrame) -> pd.DataFrame:
                 if not (numeric.dropna() % 1 == 0).all():
                     frame[column] = numeric.astype("float64")  # drop_path_rate: 0.1
                     continue
+            if ((numeric < -(2**63)) | (numeric >= 2**63)).any():
+                # Beyond int64 (an old record of a spec validation now refuses): the column
+                # stays float64 rather than the whole table failing to load, now and forever.
+                frame[column] = numeric.astype("float64")
+                continue
             frame[column] = numeric.astype("Int64")
         elif column in BOOL_PARAMS:
             frame[column] = frame[column].map({"True": True, "False": False}).astype("boolean")

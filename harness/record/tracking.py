@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from harness.contract import DEFAULT_MLFLOW_URI
+from harness.record.store_checks import require_tracking_store
 from harness.record.stores import initialise_mlflow_store, prepare_store, quiet_mlflow, redact
 from harness.trial.config import TrialConfig
 from harness.trial.result import Status, TrialResult
@@ -24,6 +25,12 @@ from harness.units import format_bytes, format_quantity
 ROLE_TAG = "harness_role"
 SWEEP_ROLE, TRIAL_ROLE = "sweep", "trial"
 PARENT_TAG = "mlflow.parentRunId"
+# A sweep's identity in MLflow: its parent run carries the study's name (spec hash, hardware and
+# search method in one), so a sweep is found again from its records whatever happened to the
+# study. ``--fresh`` marks the parent run it starts: the sweeps of that identity before it are
+# history, not the sweep to resume.
+STUDY_TAG = "study_name"
+FRESH_TAG = "harness_fresh"
 BATCH = 1000  # MLflow's log_batch limit on entities (metrics + params + tags) per call
 PARAMS_PER_BATCH = 100  # ... and on params per call
 HISTORY_POINTS = 250  # most points of a trial's per-step loss curve kept in MLflow
@@ -207,6 +214,85 @@ def all_runs(
             return runs
 
 
+def sweep_parents(client: Any, experiment_ids: list[str], study_name: str) -> list[Any]:
+    """The parent runs of one sweep identity since its last ``--fresh`` start, newest first."""
+    runs = all_runs(
+        client,
+        experiment_ids,
+        f"tags.{ROLE_TAG} = '{SWEEP_ROLE}' and tags.{STUDY_TAG} = '{study_name}'",
+        order_by=["attributes.start_time DESC"],
+    )
+    for index, run in enumerate(runs):
+        if run.data.tags.get(FRESH_TAG):
+            return runs[: index + 1]
+    return runs
+
+
+def finished_trial_count(client: Any, experiment_ids: list[str], parent_run_id: str) -> int:
+    """How many trials are fully recorded under a parent run (a RUNNING one was cut off)."""
+    filter_string = (
+        f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}' "
+        "and attributes.status != 'RUNNING'"
+    )
+    return len(all_runs(client, experiment_ids, filter_string))
+
+
+def settled_sweep(
+    client: Any, experiment_ids: list[str], study_name: str, prefer: str | None = None
+) -> Any | None:
+    """The parent run that IS the sweep of this identity: of those since its last ``--fresh``
+    start, the one with the most recorded trials (a tie: ``prefer``, the one the study names,
+    then the newest). Why not simply the newest: a start that lost its study (deleted, emptied,
+    another storage) used to begin a second, partial parent run beside the finished one, and a
+    killed first start leaves a parent run with no trials."""
+    parents = sweep_parents(client, experiment_ids, study_name)
+    if len(parents) <= 1:
+        return parents[0] if parents else None
+    counts = {
+        run.info.run_id: finished_trial_count(client, experiment_ids, run.info.run_id)
+        for run in parents
+    }
+
+    def rank(item: tuple[int, Any]) -> tuple[int, bool, int]:
+        newest_first, run = item
+        return counts[run.info.run_id], run.info.run_id == prefer, -newest_first
+
+    return max(enumerate(parents), key=rank)[1]
+
+
+def recorded_statuses(runs: list[Any]) -> dict[str, str]:
+    """``trial_key -> status`` of the fully recorded trial runs among ``runs``: a run is
+    terminated as the last step of recording it, so one still RUNNING was cut off mid-write
+    by a killed sweep and does not count."""
+    return {
+        run.data.tags.get("trial_key", ""): run.data.tags.get("status", "")
+        for run in runs
+        if run.info.status != "RUNNING"
+    }
+
+
+def recorded_for(tracking_uri: str, experiment: str, study_name: str) -> dict[str, str]:
+    """What MLflow holds of one sweep identity (``settled_sweep``), read without creating or
+    changing anything (``harness sweep --dry-run``): empty where the store, the experiment
+    or the sweep does not exist yet."""
+    local = tracking_uri.startswith("sqlite:///")
+    if local and not Path(tracking_uri.removeprefix("sqlite:///")).exists():
+        return {}
+    require_tracking_store(tracking_uri, "tracking.mlflow_uri")  # unusable: one line, no wait
+    from mlflow.tracking import MlflowClient
+
+    quiet_mlflow()
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return {}
+    parent = settled_sweep(client, [found.experiment_id], study_name)
+    if parent is None:
+        return {}
+    trials = f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent.info.run_id}'"
+    return recorded_statuses(all_runs(client, [found.experiment_id], trials))
+
+
 def loss_curve(losses: list[float], points: int = HISTORY_POINTS) -> list[tuple[int, float]]:
     """``(step, loss)`` for MLflow's metric history: every step up to ``points`` steps, else the
     mean of each of ``points`` equal runs of consecutive steps, at the run's last step.
@@ -279,6 +365,11 @@ class Tracker:
         self._log(run.info.run_id, params=params)
         return run.info.run_id
 
+    def settled_sweep(self, study_name: str, prefer: str | None = None) -> str | None:
+        """The parent run id of this sweep identity as MLflow records it (``settled_sweep``)."""
+        found = settled_sweep(self.client, [self.experiment_id], study_name, prefer)
+        return found.info.run_id if found is not None else None
+
     def close_sweep(self, run_id: str, metrics: dict[str, float], status: str = "FINISHED") -> None:
         self._log(run_id, metrics=metrics)
         self.client.set_terminated(run_id, status=status)
@@ -296,11 +387,7 @@ class Tracker:
         A trial's run is terminated as the last step of recording it, so a run still RUNNING was
         cut off mid-write by a killed sweep and does not count.
         """
-        return {
-            run.data.tags.get("trial_key", ""): run.data.tags.get("status", "")
-            for run in self.trial_runs(parent_run_id)
-            if run.info.status != "RUNNING"
-        }
+        return recorded_statuses(self.trial_runs(parent_run_id))
 
     def supersede_trials(self, parent_run_id: str, statuses: set[str]) -> list[str]:
         """``--retry-failed``: the recorded trials with these statuses step aside for a new

@@ -3,6 +3,9 @@
 A sweep that fails on its first record after an hour of training has lost that hour; one that
 hangs on an unreachable server looks dead. So the MLflow URI and the Optuna storage are tried
 first, with short timeouts, and every failure names the spec field, the store and the cause.
+What makes a store unusable (unreachable, missing, damaged, another program's) is decided in
+``harness.record.store_checks``, which the read commands use too; this adds the spec's fields
+and what only a writer needs (folders and files it can create and write).
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
+from harness.record.store_checks import (
+    journal_file,
+    note_store,
+    storage_problem,
+    tracking_problem,
+)
 from harness.record.stores import JOURNAL_PREFIX, redact
 from harness.spec import Spec, SpecError
-
-TIMEOUT_S = 5
 
 
 def problem(spec: Spec, field: str, store: str, cause: object) -> SpecError:
@@ -39,33 +46,6 @@ def check_local_file(spec: Spec, field: str, store: str, path: Path) -> None:
         why = "the file is not readable and writable"
     if why:
         raise problem(spec, field, store, why)
-
-
-def check_http(spec: Spec, field: str, uri: str) -> None:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=TIMEOUT_S) as answer:
-            if answer.status >= 400:
-                raise problem(spec, field, uri, f"HTTP {answer.status} from /health")
-    except OSError as error:  # URLError, timeouts, refused connections
-        raise problem(spec, field, uri, getattr(error, "reason", error)) from None
-
-
-def check_database(spec: Spec, field: str, url: str) -> None:
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.exc import SQLAlchemyError
-
-    engine = create_engine(url, connect_args={"connect_timeout": TIMEOUT_S})
-    try:
-        with engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-    except SQLAlchemyError as error:
-        raise problem(spec, field, url, getattr(error, "orig", error)) from None
-    except ImportError as error:
-        raise problem(spec, field, url, error) from None
-    finally:
-        engine.dispose()
 
 
 def device_problem(device: str) -> str | None:
@@ -97,25 +77,25 @@ def check_device(spec: Spec) -> None:
 
 
 def check_stores(spec: Spec) -> None:
-    """Raise ``SpecError`` (exit 2, one line) if a store cannot be reached or written."""
+    """Raise ``SpecError`` (exit 2, one line) if a store cannot be reached or written, or is
+    not what its field says (a damaged SQLite file, a journal that is not Optuna's, an MLflow
+    file store that MLflow 3 refuses). Only folders are created, never a store."""
     results = Path(spec.tracking.results_dir)
     why = writable_folder(results)
     if why:
         raise problem(spec, "tracking.results_dir", str(results), why)
-    for field, store in (
-        ("tracking.mlflow_uri", spec.tracking.mlflow_uri),
-        ("tracking.storage", spec.tracking.storage),
+    for field, store, kind in (
+        ("tracking.mlflow_uri", spec.tracking.mlflow_uri, "mlflow"),
+        ("tracking.storage", spec.tracking.storage, "optuna"),
     ):
-        scheme = urlparse(store).scheme
+        note_store(f"{spec._source or '<spec>'}: {field}", store, kind)  # for a later error
         if store.startswith(JOURNAL_PREFIX):
-            path = Path(store.removeprefix(JOURNAL_PREFIX).removeprefix("//"))
-            check_local_file(spec, field, store, path)
-        elif scheme == "sqlite":
+            check_local_file(spec, field, store, journal_file(store))
+        elif urlparse(store).scheme == "sqlite":
             check_local_file(spec, field, store, Path(store.removeprefix("sqlite:///")))
-        elif scheme in ("http", "https"):
-            check_http(spec, field, store)
-        elif scheme.startswith(("postgresql", "mysql")):
-            check_database(spec, field, store)
+        why = tracking_problem(store) if kind == "mlflow" else storage_problem(store)
+        if why:
+            raise problem(spec, field, store, why)
 
 
 def local_path(store: str) -> str | None:
