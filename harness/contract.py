@@ -47,3 +47,5 @@ STORAGE_ENV = "HARNESS_STORAGE"
 TRACKING_ENV = "HARNESS_TRACKING_URI"
 # A `harness sweep --launcher slurm|ray` submission's id, handed to its workers with the stores.
 LAUNCH_ENV = "HARNESS_LAUNCH"
+# Set ("1") on the workers `harness sweep --workers N` starts: the sweep shows their progress.
+MANAGED_WORKER_ENV = "HARNESS_MANAGED_WORKER"

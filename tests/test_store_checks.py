@@ -240,22 +240,29 @@ def test_healthy_and_new_stores_pass(tmp_path, stores):
     assert not (tmp_path / "new.db").exists() and not (tmp_path / "x.db").exists()
 
 
-def test_an_optuna_journal_with_a_torn_last_line_is_fine(tmp_path):
+def test_an_optuna_journal_with_a_torn_last_line_is_refused_before_optuna_writes(tmp_path):
     import optuna
     from optuna.storages.journal import JournalFileBackend
 
+    def journal(path: Path) -> optuna.storages.JournalStorage:
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+
     path = tmp_path / "study.journal"
-    storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
-    optuna.create_study(study_name="s", storage=storage).enqueue_trial({"x": 1})
+    optuna.create_study(study_name="s", storage=journal(path)).enqueue_trial({"x": 1})
     assert journal_problem(path) is None
     with path.open("ab") as file:
-        file.write(b'{"op_code": 5, "worker_id"')  # a write cut short: Optuna skips it
-    assert journal_problem(path) is None
-    optuna.load_study(
-        study_name="s", storage=optuna.storages.JournalStorage(JournalFileBackend(str(path)))
-    )
+        file.write(b'{"op_code": 5, "worker_id"')  # a write cut short, a truncated copy
+    assert "cut short (line" in (journal_problem(path) or "")
+    # Why it is refused: Optuna reads past it, then appends its next record to the torn line,
+    # and the journal no longer reads at all.
+    copy = tmp_path / "copy.journal"
+    copy.write_bytes(path.read_bytes())
+    with pytest.raises(Exception) as broken:  # which error depends on the step it breaks
+        optuna.load_study(study_name="s", storage=journal(copy)).enqueue_trial({"x": 2})
+        optuna.load_study(study_name="s", storage=journal(copy))
+    assert not isinstance(broken.value, AssertionError)
     with path.open("ab") as file:
-        file.write(b"\n[1, 2]\n")  # now a complete line that is no record
+        file.write(b"\n[1, 2]\n")  # a complete line that is no record
     assert "line" in (journal_problem(path) or "")
 
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 from rich.console import Console
 from rich.markup import escape
 
 from harness.cli.common import HEADINGS, make_console, noise_footnote, table_text
-from harness.contract import AXES, LAUNCH_ENV, STORAGE_ENV, TRACKING_ENV
+from harness.contract import AXES, LAUNCH_ENV, MANAGED_WORKER_ENV, STORAGE_ENV, TRACKING_ENV
 from harness.record.stores import redact
 from harness.spec import Spec, SpecError, load_spec, on_hardware, points, trial_config
 from harness.spec.schema import LAUNCHERS
@@ -95,8 +97,9 @@ def sweep(
     SPEC again resumes: recorded trials are kept and never re-run (--retry-failed runs the
     failed ones again). A trial's identity includes this host's device and its name, so the
     same SPEC on other hardware is a new sweep. Exit status: 0 when every trial has a
-    result (ok, oom, diverged, infeasible), 1 when any crashed or timed out, 2 on bad input.
-    With --launcher slurm|ray the workers run on a cluster (README "Many machines").
+    result (ok, oom, diverged, infeasible), 1 when any crashed or timed out, 2 on bad input,
+    130 when interrupted (Ctrl-C), 143 when terminated (SIGTERM): both stop the running trial,
+    keep every finished one recorded, and the same command resumes. With --launcher slurm|ray the workers run on a cluster (README "Many machines").
     """
     spec = load_spec(spec_path)
     if launcher:
@@ -134,12 +137,17 @@ def sweep(
         spec = resolve_max_batch(spec)  # as the sweep does: the found batches are in the keys
         for line in max_batch_lines(spec):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
+        recorded, note = recorded_before(spec)
         for index, point in enumerate(points(spec), start=1):
             config = trial_config(spec, point)
             searched = f"max:{config.batch_size}"  # the found batch, as progress lines show it
             shown = {**point, "batch_size": searched} if config.batch_size_search else point
-            console.print(f"{index:>4}  {config.trial_key}  {shown}")
+            status = recorded.get(config.trial_key)
+            mark = f"  recorded ({status}): will not run" if status else ""
+            console.print(f"{index:>4}  {config.trial_key}  {shown}{mark}", highlight=False)
+        console.print(note, soft_wrap=True, highlight=False, markup=False)
         return
+    stop_on_sigterm()
     if remote:
         launch_on_cluster(spec, console, wait)
         return
@@ -152,15 +160,58 @@ def sweep(
             from harness.sweep.run import run_sweep
 
             outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials, retry=retry)
-    except KeyboardInterrupt:
-        console.print(
-            "\nInterrupted. Finished trials are recorded; run the same command to resume."
-        )
-        sys.exit(130)
+    except KeyboardInterrupt as stop:
+        stopped(console, stop, "run the same command to resume")
     counts = print_summary(
         console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id
     )
     exit_for_failures(console, counts)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler ending the job): handled as Ctrl-C is, so every trial
+    process is killed and every finished trial stays recorded; exit status 143."""
+
+
+def stop_on_sigterm() -> None:
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
+def exit_code(stop: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C (SIGINT), 143 for SIGTERM: 128 + the signal, as a shell reports it."""
+    return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+
+
+def stopped(console: Console | None, stop: KeyboardInterrupt, resume: str) -> NoReturn:
+    """Say what stopped the sweep and how to go on (``console`` None: say nothing), and exit."""
+    if console is not None:
+        what = "Terminated (SIGTERM)" if isinstance(stop, Terminated) else "Interrupted"
+        console.print(f"\n{what}. Finished trials are recorded; {resume}.", highlight=False)
+    sys.exit(exit_code(stop))
+
+
+def recorded_before(spec: Spec) -> tuple[dict[str, str], str]:
+    """``--dry-run``: the points MLflow already holds for this sweep (``trial_key -> status``)
+    and a line saying how many will run, read without writing to any store."""
+    from harness.record.tracking import recorded_for
+    from harness.sweep.plan import study_name
+
+    total = len(points(spec))
+    try:
+        recorded = recorded_for(spec.tracking.mlflow_uri, spec.experiment, study_name(spec))
+    except Exception as error:  # a dry run still lists the plan; it says what it could not read
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return {}, (
+            f"{total} point(s); which are recorded is unknown: cannot read "
+            f"{redact(spec.tracking.mlflow_uri)} ({redact(first)})"
+        )
+    if spec.search.method != "grid":
+        wanted = spec.search.n_trials or 0
+        return recorded, f"{len(recorded)} recorded; the sampler picks up to {wanted} in all"
+    return recorded, f"{len(recorded)} of {total} point(s) recorded; {total - len(recorded)} to run"
 
 
 def with_launcher(spec: Spec, name: str) -> Spec:
@@ -204,13 +255,14 @@ def launch_on_cluster(spec: Spec, console: Console, wait: bool) -> None:
             from harness.sweep.ray_launcher import launch as launch_ray
 
             outcome = launch_ray(spec, console)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if spec.launcher.name == "ray":  # Slurm's jobs go on: the launcher said so
-            console.print(
-                "\nInterrupted: the Ray workers stop with this driver. Finished trials are "
-                "recorded; launch again to go on."
+            stopped(
+                console,
+                stop,
+                "the Ray workers stop with this driver; launch again to go on",
             )
-        sys.exit(130)
+        sys.exit(exit_code(stop))
     if not outcome.waited:
         for hint in outcome.hints:
             console.print(hint, soft_wrap=True, highlight=False, markup=False)
@@ -285,13 +337,13 @@ def worker(spec_path: Path, storage: str | None, tracking_uri: str | None) -> No
     from harness.sweep.run import run_worker
 
     console = make_console()
+    managed = os.environ.get(MANAGED_WORKER_ENV) == "1"
+    stop_on_sigterm()
     try:
-        run_worker(spec_path, console, storage, tracking_uri, os.environ.get(LAUNCH_ENV))
-    except KeyboardInterrupt:
-        console.print(
-            "\nInterrupted. Finished trials are recorded; start the worker again to go on."
-        )
-        sys.exit(130)
+        run_worker(spec_path, console, storage, tracking_uri, os.environ.get(LAUNCH_ENV), managed)
+    except KeyboardInterrupt as stop:
+        # a worker of `harness sweep --workers N`: that command says what happened
+        stopped(None if managed else console, stop, "start the worker again to go on")
 
 
 def print_summary(

@@ -213,8 +213,10 @@ def sqlite_problem(
 
 
 def journal_problem(path: Path) -> str | None:
-    """Why ``path`` is not an Optuna journal: each complete line must be a JSON record with an
-    ``op_code`` (Optuna itself skips only a torn last line). Missing or empty: a new journal."""
+    """Why ``path`` is not a usable Optuna journal: each line must be a JSON record with an
+    ``op_code``. A torn last line (a write cut short, a truncated copy) is a problem too:
+    Optuna skips it when reading but appends its next record right after it, and the merged
+    line then breaks every later read. Missing or empty: a new journal."""
     try:
         file = path.open("rb")
     except FileNotFoundError:
@@ -224,7 +226,10 @@ def journal_problem(path: Path) -> str | None:
     with file:
         for number, line in enumerate(file, start=1):
             if not line.endswith(b"\n"):
-                break  # a write cut short: Optuna ignores it
+                return (
+                    f"{path} ends in a record cut short (line {number}); Optuna would write "
+                    f"after it and damage the journal: {OPTUNA_DAMAGED}"
+                )
             try:
                 record = json.loads(line)
             except ValueError:  # not UTF-8, not JSON

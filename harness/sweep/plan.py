@@ -31,7 +31,7 @@ from harness.sweep.claim import (
 )
 from harness.trial.config import TrialConfig
 from harness.trial.hardware import describe_hardware
-from harness.trial.result import OVER_BUDGET, TrialResult
+from harness.trial.result import OVER_BUDGET, Status, TrialResult
 
 # How many times in a row a sampler may propose points already measured before one of the
 # unmeasured points is taken at random instead (small categorical spaces make samplers repeat).
@@ -84,6 +84,58 @@ def free_points(study: Any, spec: Spec, keys: list[str]) -> int:
             if key in by_key:
                 study.enqueue_trial(by_key[key], skip_if_exists=False)
     return len(keys)
+
+
+def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
+    """Copy into the study every trial recorded in MLflow (``runs``: the sweep's trial runs)
+    that it does not hold: its storage was deleted, emptied, or is another one (``--workers``
+    keeps the study in a journal file, a plain run in SQLite). The copies are finished trials
+    with the recorded point, objective values, memory constraint and status, so the planner
+    counts their points as taken and a sampler learns from them as from trials it ran. How
+    many were copied."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState
+
+    replaced = superseded(study)
+    held = {
+        t.user_attrs.get("trial_key")
+        for t in study.get_trials(deepcopy=False)
+        if "status" in t.user_attrs and not released(t, replaced)
+    }
+    by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
+    distributions = {axis: CategoricalDistribution(values) for axis, values in spec.axes().items()}
+    copies = []
+    for run in runs:
+        key, status = run.data.tags.get("trial_key", ""), run.data.tags.get("status", "")
+        if run.info.status == "RUNNING" or key in held or key not in by_key:
+            continue
+        try:
+            result = TrialResult(key, Status(status), metrics=dict(run.data.metrics))
+        except ValueError:  # a status this version does not know: leave the point to MLflow
+            continue
+        values = objective_values(spec, result)
+        copies.append(
+            optuna.trial.create_trial(
+                state=TrialState.COMPLETE if values is not None else TrialState.FAIL,
+                values=values,
+                params=by_key[key],
+                distributions=distributions,
+                user_attrs={
+                    "trial_key": key,
+                    "status": status,
+                    "mlflow_run_id": run.info.run_id,
+                    "restored_from": "mlflow",
+                },
+                constraints=(
+                    {"memory": memory_constraint(spec, result)} if values is not None else None
+                ),
+            )
+        )
+        held.add(key)
+    if copies:
+        study.add_trials(copies)
+    return len(copies)
 
 
 def make_sampler(spec: Spec, already: int) -> Any:

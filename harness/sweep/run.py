@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -27,7 +28,7 @@ from rich.progress import (
 
 from harness.analyse.noise import NOISY_MARK, noise_reason
 from harness.record.stores import redact
-from harness.record.tracking import Tracker
+from harness.record.tracking import FRESH_TAG, STUDY_TAG, Tracker
 from harness.spec import (
     Spec,
     SpecError,
@@ -118,6 +119,10 @@ class SweepState:
     retried: int = 0
     # Set when this spec was swept before on other hardware: what that was.
     other_hardware: str | None = None
+    # Recorded trials the study did not hold, copied into it from MLflow (lost, emptied or
+    # switched storage), and why the parent run is not the one the study named.
+    restored: int = 0
+    study_named: str | None = None  # "" when it named none
 
 
 def prepare(
@@ -156,19 +161,23 @@ def prepare(
     tracker = Tracker(
         spec.tracking.mlflow_uri, spec.experiment, results_dir / "mlartifacts" / spec.experiment
     )
-    known = None if fresh else study.user_attrs.get("mlflow_parent_run_id")
+    named = None if fresh else study.user_attrs.get("mlflow_parent_run_id")
+    # The sweep is what MLflow recorded for this identity, whatever the study (lost, emptied,
+    # another storage) remembers: recorded trials are never run again.
+    known = None if fresh else tracker.settled_sweep(study.study_name, prefer=named)
     parent = tracker.open_sweep(
         known,
         name=f"sweep {spec.experiment}",
         tags={
             "spec_name": spec.name,
             "grid_hash": grid_hash(spec),
-            "study_name": study.study_name,
+            STUDY_TAG: study.study_name,
             **hardware_tags(spec),
+            **({FRESH_TAG: "true"} if fresh else {}),
         },
         params=sweep_params(spec),
     )
-    if parent != known:
+    if parent != named:
         study.set_user_attr("mlflow_parent_run_id", parent)
         if worker:  # two first workers may race: both settle on the last parent written
             time.sleep(1.0)
@@ -178,14 +187,21 @@ def prepare(
                 parent = settled
         if spec._source and parent == study.user_attrs.get("mlflow_parent_run_id"):
             log_spec(tracker, parent, Path(spec._source))
-    retried = 0
+    retried, restored = 0, 0
     if not worker:
         tracker.discard_unfinished_trials(parent)  # each also left a stale study trial
+        # (workers leave it to the process that prepared the sweep: two copying at once
+        # would teach the sampler every trial twice)
+        restored = plan.restore_trials(study, spec, tracker.trial_runs(parent))
         if retry:
             statuses = {status.value for status in RETRY_STATUSES[retry]}
             keys = tracker.supersede_trials(parent, statuses)
             retried = plan.free_points(study, spec, keys)
-    return SweepState(spec, study, tracker, parent, interrupted, retried, other_hardware)
+    state = SweepState(spec, study, tracker, parent, interrupted, retried, other_hardware)
+    state.restored = restored
+    if known and known != named:
+        state.study_named = named or ""
+    return state
 
 
 # On the study: ``launch_<id>`` for each ``--launcher`` submission whose workers joined it.
@@ -198,14 +214,16 @@ def run_worker(
     storage: str | None = None,
     tracking_uri: str | None = None,
     launch: str | None = None,
+    managed: bool = False,
 ) -> SweepOutcome:
     """``harness worker`` (also each Slurm job and Ray actor of ``--launcher``): join the
     sweep of the spec at ``spec_path`` from this process and run trials until none is left.
     ``storage``/``tracking_uri`` replace the spec's stores (they come from the environment,
-    ``HARNESS_STORAGE``/``HARNESS_TRACKING_URI``, never a command line)."""
+    ``HARNESS_STORAGE``/``HARNESS_TRACKING_URI``, never a command line). ``managed``: one of
+    the workers of ``harness sweep --workers N`` (``work``)."""
     spec = with_tracking(load_spec(spec_path), storage=storage, mlflow_uri=tracking_uri)
     state = prepare(spec, worker=True, launch=launch)
-    return work(state, console, shuffle=True)
+    return work(state, console, shuffle=True, managed=managed)
 
 
 def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
@@ -310,6 +328,20 @@ def announce(state: SweepState, console: Console) -> None:
             "of a trial's identity; the earlier results stay in MLflow).",
             soft_wrap=True,
         )
+    if state.restored or state.study_named is not None:
+        storage = redact(state.spec.tracking.storage)
+        named = f"sweep run {state.study_named[:8]}" if state.study_named else "no sweep run"
+        console.print(
+            f"{state.restored} recorded trial(s) of this sweep were missing from the study in "
+            f"{storage} (its storage was switched, emptied or lost): copied back from MLflow "
+            f"(sweep run {state.parent[:8]}); they will not run again."
+            if state.restored
+            else f"Resuming sweep run {state.parent[:8]} as MLflow records it (the study in "
+            f"{storage} named {named}).",
+            soft_wrap=True,
+            markup=False,
+            highlight=False,
+        )
     if state.retried:
         console.print(
             f"Retrying {state.retried} recorded trial(s): their runs are marked superseded "
@@ -328,24 +360,25 @@ def max_batch_lines(spec: Spec) -> list[str]:
     ]
 
 
-def work(
-    state: SweepState, console: Console, more_trials: int | None = None, shuffle: bool = False
-) -> SweepOutcome:
-    """Run trials of the sweep until none is left for this worker; record each at once.
+@dataclass
+class Start:
+    """What a sweep has left when it starts: what is recorded, how many trials to run."""
 
-    Ends when every point is taken and no other worker is still running one; while others
-    run, it waits and takes over the points of any that die (``harness.sweep.claim``).
-    """
-    spec, study, tracker, parent = state.spec, state.study, state.tracker, state.parent
-    experiment_dir = Path(spec.tracking.results_dir) / spec.experiment
-    recorded = set(tracker.recorded_trials(parent))
-    to_run = plan.trials_to_run(spec, len(recorded), more_trials)
-    total = len(recorded) + to_run
-    outcome = SweepOutcome(spec.experiment, parent, total, len(recorded))
+    recorded: set[str]
+    to_run: int
+    total: int
+
+
+def start(state: SweepState, console: Console, more_trials: int | None = None) -> Start:
+    """Count what is recorded and what is left, and say so: resuming, nothing left, or how
+    many trials run (one of these lines per sweep, whoever runs its trials)."""
+    spec, parent = state.spec, state.parent
+    left = left_to_run(state, more_trials)
+    recorded, to_run, total = left.recorded, left.to_run, left.total
     interrupted = state.interrupted
-    if outcome.already_recorded or interrupted:
+    if recorded or interrupted:
         console.print(
-            f"Resuming sweep {parent[:8]}: {outcome.already_recorded} of {total} trials already "
+            f"Resuming sweep {parent[:8]}: {len(recorded)} of {total} trials already "
             f"recorded{f', {interrupted} interrupted trial(s) will re-run' if interrupted else ''}."
         )
     if not to_run:
@@ -355,9 +388,7 @@ def work(
             else "Use --n-trials N to run N more, or --fresh to start a new sweep."
         )
         console.print(f"Nothing left to run. {hint}")
-        tracker.close_sweep(parent, status_counts(tracker.recorded_trials(parent)))
-        return outcome
-
+        return left
     searched = (
         ""
         if spec.search.method == "grid"
@@ -369,7 +400,18 @@ def work(
         f"MLflow: {redact(spec.tracking.mlflow_uri)}",
         soft_wrap=True,
     )
-    progress = Progress(
+    return left
+
+
+def left_to_run(state: SweepState, more_trials: int | None = None) -> Start:
+    recorded = set(state.tracker.recorded_trials(state.parent))
+    to_run = plan.trials_to_run(state.spec, len(recorded), more_trials)
+    return Start(recorded, to_run, len(recorded) + to_run)
+
+
+def progress_bar(console: Console, disable: bool = False) -> Progress:
+    """The one progress display of a sweep (``--workers N`` too: ``harness.sweep.workers``)."""
+    return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -377,7 +419,65 @@ def work(
         TextColumn("ETA"),
         TimeRemainingColumn(),
         console=console,
+        disable=disable,
     )
+
+
+# A worker started by ``harness sweep --workers N`` (``MANAGED_WORKER_ENV`` set) prints no
+# header or progress bar of its own: it writes one line per finished trial behind
+# ``TRIAL_LINE``, and its noise warning behind ``NOISE_LINE``, and the sweep's process shows
+# them under its one progress display.
+TRIAL_LINE = "trial\t"
+NOISE_LINE = "noise\t"
+
+
+def noise_warning(label: str, reason: str) -> str:
+    """The sweep's one warning about noisy throughput (later noisy trials carry only ``~``)."""
+    return (
+        f"throughput of {label} is noisy ({reason}); it and any later noisy figure are marked "
+        f"{NOISY_MARK}: compare them only with care (docs/measuring.md#stable-cpu-timings)"
+    )
+
+
+def work(
+    state: SweepState,
+    console: Console,
+    more_trials: int | None = None,
+    shuffle: bool = False,
+    managed: bool = False,
+) -> SweepOutcome:
+    """Run trials of the sweep until none is left for this worker; record each at once.
+
+    Ends when every point is taken and no other worker is still running one; while others
+    run, it waits and takes over the points of any that die (``harness.sweep.claim``).
+    ``managed``: a worker of ``--workers N``, whose sweep process shows the progress.
+    """
+    spec, study, tracker, parent = state.spec, state.study, state.tracker, state.parent
+    experiment_dir = Path(spec.tracking.results_dir) / spec.experiment
+    left = left_to_run(state, more_trials) if managed else start(state, console, more_trials)
+    recorded, total = left.recorded, left.total
+    outcome = SweepOutcome(spec.experiment, parent, total, len(recorded))
+
+    def close(status: str = "FINISHED") -> None:
+        """The parent run's status and counts; the sweep's own process closes a managed
+        worker's sweep once all its workers are done."""
+        if not managed:
+            counts = status_counts(tracker.recorded_trials(parent)) if status == "FINISHED" else {}
+            tracker.close_sweep(parent, counts, status=status)
+
+    if not left.to_run:
+        close()
+        return outcome
+
+    def say(line: str, style: str = "", relay: str = TRIAL_LINE) -> None:
+        if managed:
+            print(f"{relay}{line}", flush=True)
+        else:
+            styled = f"[{style}]{escape(line)}[/]" if style else line
+            progress.console.print(styled, soft_wrap=True, markup=bool(style), highlight=False)
+
+    warned_noise = False
+    progress = progress_bar(console, disable=managed)
     try:
         with progress:
             task = progress.add_task("starting", total=total, completed=outcome.already_recorded)
@@ -396,15 +496,12 @@ def work(
                         result = run_with_retries(spec, config, workdir)
                         problem = draw_timeline(workdir, label)
                         if problem:
-                            progress.console.print(f"[yellow]{problem}[/]", soft_wrap=True)
+                            say(problem, "yellow", relay="")
                         info = {k: result.info.get(k) for k in ("torch_threads", "device")}
                         noisy = noise_reason({**result.metrics, **info})
-                        if noisy:
-                            progress.console.print(
-                                f"[yellow]throughput of {label} is noisy ({noisy}): compare it "
-                                'only with care; see README "Stable CPU timings"[/]',
-                                soft_wrap=True,
-                            )
+                        if noisy and not warned_noise:
+                            say(noise_warning(label, noisy), "yellow", relay=NOISE_LINE)
+                            warned_noise = True
                         if claim.cut_off_before(study, trial, config.trial_key):
                             # its dead worker may have left a half-written run of this point
                             tracker.discard_unfinished_trials(parent, config.trial_key)
@@ -412,13 +509,10 @@ def work(
                             parent, config, result, workdir, started_ms, label
                         )
                         plan.tell(study, trial, spec, result, run_id)
-                    progress.console.print(
-                        f"[{index}/{total}] {label:<28} {config.trial_key[:8]}  "
-                        f"{describe(result)}  "
-                        f"[{result.wall_time_s or 0:.1f}s]",
-                        soft_wrap=True,
-                        markup=False,
-                        highlight=False,
+                    numbered = "" if managed else f"[{index}/{total}] "
+                    say(
+                        f"{numbered}{label:<28} {config.trial_key[:8]}  {describe(result)}  "
+                        f"[{result.wall_time_s or 0:.1f}s]"
                     )
                     progress.update(task, completed=min(total, len(plan.active_keys(study))))
                 if not plan.held_by_others(study):
@@ -428,9 +522,9 @@ def work(
                 time.sleep(claim.HEARTBEAT_S)
                 claim.fail_stale_trials(study)
     except KeyboardInterrupt:
-        tracker.close_sweep(parent, {}, status="KILLED")
+        close("KILLED")
         raise
-    tracker.close_sweep(parent, status_counts(tracker.recorded_trials(parent)))
+    close()
     return outcome
 
 

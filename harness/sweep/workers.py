@@ -9,55 +9,130 @@ its largest trial's world size), and more workers than the GPUs allow are refuse
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
 
 from rich.console import Console
 
-from harness.contract import STORAGE_ENV, TRACKING_ENV
+from harness.contract import MANAGED_WORKER_ENV, STORAGE_ENV, TRACKING_ENV
 from harness.record.stores import redact, shared_storage
-from harness.spec import Spec, SpecError, points, trial_configs
-from harness.sweep.run import SweepOutcome, announce, prepare, status_counts, with_tracking
+from harness.spec import Spec, SpecError, trial_configs
+from harness.sweep.run import (
+    NOISE_LINE,
+    TRIAL_LINE,
+    SweepOutcome,
+    announce,
+    prepare,
+    progress_bar,
+    start,
+    status_counts,
+    with_tracking,
+)
 
 
 def run_with_workers(
     spec: Spec, console: Console, fresh: bool, workers: int, retry: str | None = None
 ) -> SweepOutcome:
-    """``--workers N``: prepare the sweep here, then N ``harness worker`` processes share it."""
+    """``--workers N``: prepare the sweep here, then N ``harness worker`` processes share it,
+    shown as one sweep: one header, one progress bar, one line per finished trial."""
     storage = shared_storage(spec.tracking.storage)
     if storage != spec.tracking.storage:
         console.print(
             f"{workers} workers share the study through {redact(storage)} "
-            "(SQLite is not safe for concurrent writers)."
+            "(SQLite is not safe for concurrent writers).",
+            soft_wrap=True,
         )
         spec = with_tracking(spec, storage=storage)
     gpus = gpu_count()
     per_worker = gpus_per_worker(spec)
     check_gpus(spec, workers, per_worker, gpus)
-    warn_about_cpu_sharing(console, spec)
     state = prepare(spec, fresh=fresh, runs_trials=False, retry=retry)
     announce(state, console)
+    left = start(state, console)
+    if not left.to_run:
+        recorded = state.tracker.recorded_trials(state.parent)
+        state.tracker.close_sweep(state.parent, status_counts(recorded))
+        return SweepOutcome(spec.experiment, state.parent, left.total, len(recorded))
+    warn_about_cpu_sharing(console, spec)
     # The stores go by environment, not argv: a password in a URL would show in `ps`.
     command = [sys.executable, "-m", "harness", "worker", spec._source or ""]
     stores = {STORAGE_ENV: spec.tracking.storage, TRACKING_ENV: spec.tracking.mlflow_uri}
     processes = []
     for index in range(workers):
-        env = {**os.environ, **stores}
+        env = {**os.environ, **stores, MANAGED_WORKER_ENV: "1"}
         visible = gpus_for_worker(index, per_worker, gpus)
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
-        processes.append(subprocess.Popen(command, env=env))
+        processes.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
+        )
     try:
-        codes = [process.wait() for process in processes]
+        codes = show_workers(console, processes, len(left.recorded), left.total)
     except KeyboardInterrupt:
         for process in processes:
-            process.terminate()
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            process.wait()
+        state.tracker.close_sweep(state.parent, {}, status="KILLED")
         raise
     if any(codes):
         console.print(f"[red]worker exit codes: {codes}[/]")
     recorded = state.tracker.recorded_trials(state.parent)
     state.tracker.close_sweep(state.parent, status_counts(recorded))
-    return SweepOutcome(spec.experiment, state.parent, len(points(spec)), len(recorded))
+    return SweepOutcome(spec.experiment, state.parent, left.total, len(recorded))
+
+
+def show_workers(
+    console: Console, processes: list[subprocess.Popen[str]], recorded: int, total: int
+) -> list[int]:
+    """Relay the workers' lines under one progress bar until every worker has ended; their
+    exit codes. Each finished trial is numbered in the order it finished; of the workers'
+    noise warnings only the first is shown (every noisy figure carries its mark)."""
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+
+    def read(index: int, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put((index, line.rstrip("\n")))
+        lines.put((index, None))
+
+    for index, process in enumerate(processes):
+        threading.Thread(target=read, args=(index, process), daemon=True).start()
+    finished, open_streams, warned = recorded, len(processes), False
+    progress = progress_bar(console)
+    with progress:
+        task = progress.add_task(
+            f"{len(processes)} workers running", total=total, completed=finished
+        )
+        while open_streams:
+            index, line = lines.get()
+            if line is None:
+                open_streams -= 1
+                running = sum(process.poll() is None for process in processes)
+                progress.update(task, description=f"{running} workers running")
+                continue
+            if line.startswith(TRIAL_LINE):
+                finished += 1
+                line = f"[{finished}/{total}] {line.removeprefix(TRIAL_LINE)}"
+                progress.update(task, completed=min(finished, total))
+            elif line.startswith(NOISE_LINE):
+                if warned:
+                    continue
+                warned, line = True, line.removeprefix(NOISE_LINE)
+            else:
+                line = f"worker {index + 1}: {line}"
+            progress.console.print(line, soft_wrap=True, markup=False, highlight=False)
+    return [process.wait() for process in processes]
 
 
 def gpu_count() -> int:
