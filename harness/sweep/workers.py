@@ -111,15 +111,13 @@ def show_workers(
     finished, open_streams, warned = recorded, len(processes), False
     progress = progress_bar(console)
     with progress:
-        task = progress.add_task(
-            f"{len(processes)} workers running", total=total, completed=finished
-        )
+        task = progress.add_task(running(len(processes)), total=total, completed=finished)
         while open_streams:
             index, line = lines.get()
             if line is None:
                 open_streams -= 1
-                running = sum(process.poll() is None for process in processes)
-                progress.update(task, description=f"{running} workers running")
+                alive = sum(process.poll() is None for process in processes)
+                progress.update(task, description=running(alive))
                 continue
             if line.startswith(TRIAL_LINE):
                 finished += 1
@@ -133,6 +131,10 @@ def show_workers(
                 line = f"worker {index + 1}: {line}"
             progress.console.print(line, soft_wrap=True, markup=False, highlight=False)
     return [process.wait() for process in processes]
+
+
+def running(workers: int) -> str:
+    return f"{workers} worker{'' if workers == 1 else 's'} running"
 
 
 def gpu_count() -> int:
