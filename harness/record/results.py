@@ -31,6 +31,7 @@ from harness.record.tracking import (
     TRIAL_ROLE,
     all_runs,
     settled_sweep,
+    trials_of,
 )
 from harness.trial.config import TIMELINE_FILE
 
@@ -173,8 +174,7 @@ def load(
 
 def raw_from_search(client: Any, experiment_id: str, parent: str | None) -> pd.DataFrame:
     """Trial runs through MLflow's ``search_runs``: one untyped row each (strings as logged)."""
-    role = f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'"
-    filter_string = role if parent is None else f"{role} and tags.`{PARENT_TAG}` = '{parent}'"
+    filter_string = f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'" if parent is None else trials_of(parent)
     runs = all_runs(client, [experiment_id], filter_string, ["attributes.start_time ASC"])
     rows = []
     for run in runs:

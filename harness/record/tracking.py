@@ -214,6 +214,12 @@ def all_runs(
             return runs
 
 
+def trials_of(parent_run_id: str, *conditions: str) -> str:
+    """The filter that finds the trial runs of one sweep (and ``conditions``, ``and``-ed)."""
+    parts = [f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'", f"tags.`{PARENT_TAG}` = '{parent_run_id}'"]
+    return " and ".join([*parts, *conditions])
+
+
 def sweep_parents(client: Any, experiment_ids: list[str], study_name: str) -> list[Any]:
     """The parent runs of one sweep identity since its last ``--fresh`` start, newest first."""
     runs = all_runs(
@@ -230,11 +236,8 @@ def sweep_parents(client: Any, experiment_ids: list[str], study_name: str) -> li
 
 def finished_trial_count(client: Any, experiment_ids: list[str], parent_run_id: str) -> int:
     """How many trials are fully recorded under a parent run (a RUNNING one was cut off)."""
-    filter_string = (
-        f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}' "
-        "and attributes.status != 'RUNNING'"
-    )
-    return len(all_runs(client, experiment_ids, filter_string))
+    finished = trials_of(parent_run_id, "attributes.status != 'RUNNING'")
+    return len(all_runs(client, experiment_ids, finished))
 
 
 def settled_sweep(
@@ -289,8 +292,8 @@ def recorded_for(tracking_uri: str, experiment: str, study_name: str) -> dict[st
     parent = settled_sweep(client, [found.experiment_id], study_name)
     if parent is None:
         return {}
-    trials = f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent.info.run_id}'"
-    return recorded_statuses(all_runs(client, [found.experiment_id], trials))
+    trials = all_runs(client, [found.experiment_id], trials_of(parent.info.run_id))
+    return recorded_statuses(trials)
 
 
 def loss_curve(losses: list[float], points: int = HISTORY_POINTS) -> list[tuple[int, float]]:
@@ -375,11 +378,7 @@ class Tracker:
         self.client.set_terminated(run_id, status=status)
 
     def trial_runs(self, parent_run_id: str) -> list[Any]:
-        return list(
-            self.search(
-                f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}'"
-            )
-        )
+        return list(self.search(trials_of(parent_run_id)))
 
     def recorded_trials(self, parent_run_id: str) -> dict[str, str]:
         """``trial_key -> status`` of the trials fully recorded under this sweep (never run again).
@@ -409,11 +408,12 @@ class Tracker:
         runs = (
             self.trial_runs(parent_run_id)
             if trial_key is None
-            else self.search(
-                f"tags.{ROLE_TAG} = '{TRIAL_ROLE}' and tags.`{PARENT_TAG}` = '{parent_run_id}' "
-                f"and tags.trial_key = '{trial_key}'"
-            )
+            else self.search(trials_of(parent_run_id, f"tags.trial_key = '{trial_key}'"))
         )
+        return self.discard_unfinished(runs)
+
+    def discard_unfinished(self, runs: list[Any]) -> int:
+        """Delete the half-written runs (still RUNNING) among ``runs``; how many."""
         unfinished = [run for run in runs if run.info.status == "RUNNING"]
         for run in unfinished:
             self.client.delete_run(run.info.run_id)

@@ -189,19 +189,20 @@ def prepare(
             log_spec(tracker, parent, Path(spec._source))
     retried, restored = 0, 0
     if not worker:
-        tracker.discard_unfinished_trials(parent)  # each also left a stale study trial
+        runs = tracker.trial_runs(parent)  # read once for both
+        tracker.discard_unfinished(runs)  # each also left a stale study trial
         # (workers leave it to the process that prepared the sweep: two copying at once
         # would teach the sampler every trial twice)
-        restored = plan.restore_trials(study, spec, tracker.trial_runs(parent))
+        restored = plan.restore_trials(study, spec, runs)
         if retry:
             statuses = {status.value for status in RETRY_STATUSES[retry]}
             keys = tracker.supersede_trials(parent, statuses)
             retried = plan.free_points(study, spec, keys)
-    state = SweepState(spec, study, tracker, parent, interrupted, retried, other_hardware)
-    state.restored = restored
-    if known and known != named:
-        state.study_named = named or ""
-    return state
+    adopted = known and known != named  # the study named another run, or none
+    study_named = (named or "") if adopted else None
+    return SweepState(
+        spec, study, tracker, parent, interrupted, retried, other_hardware, restored, study_named
+    )
 
 
 # On the study: ``launch_<id>`` for each ``--launcher`` submission whose workers joined it.
