@@ -99,7 +99,8 @@ def sweep(
     same SPEC on other hardware is a new sweep. Exit status: 0 when every trial has a
     result (ok, oom, diverged, infeasible), 1 when any crashed or timed out, 2 on bad input,
     130 when interrupted (Ctrl-C), 143 when terminated (SIGTERM): both stop the running trial,
-    keep every finished one recorded, and the same command resumes. With --launcher slurm|ray the workers run on a cluster (README "Many machines").
+    keep every finished one recorded, and the same command resumes. With --launcher slurm|ray
+    the workers run on a cluster (README "Many machines").
     """
     spec = load_spec(spec_path)
     if launcher:
@@ -196,6 +197,7 @@ def stopped(console: Console | None, stop: KeyboardInterrupt, resume: str) -> No
 def recorded_before(spec: Spec) -> tuple[dict[str, str], str]:
     """``--dry-run``: the points MLflow already holds for this sweep (``trial_key -> status``)
     and a line saying how many will run, read without writing to any store."""
+    from harness.record.store_checks import first_line
     from harness.record.tracking import recorded_for
     from harness.sweep.plan import study_name
 
@@ -203,10 +205,9 @@ def recorded_before(spec: Spec) -> tuple[dict[str, str], str]:
     try:
         recorded = recorded_for(spec.tracking.mlflow_uri, spec.experiment, study_name(spec))
     except Exception as error:  # a dry run still lists the plan; it says what it could not read
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return {}, (
             f"{total} point(s); which are recorded is unknown: cannot read "
-            f"{redact(spec.tracking.mlflow_uri)} ({redact(first)})"
+            f"{redact(spec.tracking.mlflow_uri)} ({redact(first_line(error))})"
         )
     if spec.search.method != "grid":
         wanted = spec.search.n_trials or 0

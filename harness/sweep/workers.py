@@ -23,6 +23,7 @@ from harness.sweep.run import (
     NOISE_LINE,
     TRIAL_LINE,
     SweepOutcome,
+    SweepState,
     announce,
     prepare,
     progress_bar,
@@ -52,9 +53,7 @@ def run_with_workers(
     announce(state, console)
     left = start(state, console)
     if not left.to_run:
-        recorded = state.tracker.recorded_trials(state.parent)
-        state.tracker.close_sweep(state.parent, status_counts(recorded))
-        return SweepOutcome(spec.experiment, state.parent, left.total, len(recorded))
+        return close(state, left.total)
     warn_about_cpu_sharing(console, spec)
     # The stores go by environment, not argv: a password in a URL would show in `ps`.
     command = [sys.executable, "-m", "harness", "worker", spec._source or ""]
@@ -87,9 +86,14 @@ def run_with_workers(
         raise
     if any(codes):
         console.print(f"[red]worker exit codes: {codes}[/]")
+    return close(state, left.total)
+
+
+def close(state: SweepState, total: int) -> SweepOutcome:
+    """The parent run finished with its counts per status, once no worker is left."""
     recorded = state.tracker.recorded_trials(state.parent)
     state.tracker.close_sweep(state.parent, status_counts(recorded))
-    return SweepOutcome(spec.experiment, state.parent, left.total, len(recorded))
+    return SweepOutcome(state.spec.experiment, state.parent, total, len(recorded))
 
 
 def show_workers(
