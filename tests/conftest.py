@@ -59,6 +59,32 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
     )
 
 
+def record_trial(
+    tracker: Any,
+    parent: str,
+    workdir: Path,
+    config: Any,
+    status: str = "ok",
+    metrics: dict[str, float] | None = None,
+    run_name: str = "label",
+) -> str:
+    """One trial recorded as a sweep records it (``Tracker.log_trial``) without running it, in
+    a real MLflow store: the results and decisions read exactly this. Its run id."""
+    from harness.trial.result import Status, TrialResult
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json())
+    result = TrialResult(
+        trial_key=config.trial_key,
+        status=Status(status),
+        failure_reason="" if status == "ok" else "why",
+        metrics=metrics or {},
+        loss_history=[2.0, 1.5, float("nan")],
+        info={"device": "cpu", "torch_threads": 2},
+    )
+    return tracker.log_trial(parent, config, result, workdir, int(time.time() * 1000), run_name)
+
+
 def copy_fixture(name: str, folder: Path) -> Path:
     return Path(shutil.copy(FIXTURES / name, folder / name))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -35,8 +34,7 @@ from harness.cli.common import noise_footnote
 from harness.record.results import load_sweep
 from harness.record.tracking import Tracker
 from harness.spec import parse_spec, trial_configs
-from harness.trial.result import Status, TrialResult
-from tests.conftest import BASE_SPEC, REPO, run_cli
+from tests.conftest import BASE_SPEC, REPO, record_trial, run_cli
 
 GIB = 2**30
 STEADY = {"step_time_cv": 0.02}
@@ -189,18 +187,7 @@ def record_sweep(folder: Path, outcomes: list[tuple[str, dict]], name: str = "gu
         zip(trial_configs(parse_spec(spec)), outcomes, strict=True)
     ):
         workdir = folder / "work" / str(index)
-        workdir.mkdir(parents=True)
-        (workdir / "config.json").write_text(config.to_json())
-        result = TrialResult(
-            trial_key=config.trial_key,
-            status=Status(status),
-            failure_reason="" if status == "ok" else "RuntimeError: boom",
-            metrics=metrics,
-            loss_history=[2.0, 1.0],
-            info={"device": "cpu", "torch_threads": 2},
-        )
-        started = int(time.time() * 1000)
-        tracker.log_trial(parent, config, result, workdir, started, f"bs={config.batch_size}")
+        record_trial(tracker, parent, workdir, config, status, metrics, f"bs={config.batch_size}")
     tracker.close_sweep(parent, {})
     return parent
 

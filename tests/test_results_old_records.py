@@ -6,7 +6,6 @@ summary, ``harness results``, ``pareto``, ``report``. The record stays; the tabl
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -14,8 +13,7 @@ import pytest
 from harness.record.tracking import Tracker
 from harness.results import load
 from harness.spec import parse_spec, trial_configs
-from harness.trial.result import Status, TrialResult
-from tests.conftest import run_cli
+from tests.conftest import record_trial, run_cli
 
 TOO_LARGE = 10**19  # above 2**63 - 1: a uint64 to pandas
 
@@ -37,22 +35,12 @@ def record_old_sweep(folder, base_spec) -> str:
         model_knobs={**configs[1].model_knobs, "width": -TOO_LARGE},
     )
     for index, config in enumerate([configs[0], oversized]):
-        workdir = folder / f"t{index}"
-        workdir.mkdir()
-        (workdir / "config.json").write_text(config.to_json())
-        result = TrialResult(
-            trial_key=config.trial_key,
-            status=Status.OK,
-            failure_reason="",
-            metrics={
-                "throughput": 100.0 + index,
-                "peak_allocated_bytes": 4096.0 * (1 + index),
-                "accuracy": 0.5,
-            },
-            loss_history=[2.0, 1.5],
-            info={"device": "cpu"},
-        )
-        tracker.log_trial(parent, config, result, workdir, int(time.time() * 1000), f"t{index}")
+        metrics = {
+            "throughput": 100.0 + index,
+            "peak_allocated_bytes": 4096.0 * (1 + index),
+            "accuracy": 0.5,
+        }
+        record_trial(tracker, parent, folder / f"t{index}", config, "ok", metrics, f"t{index}")
     return uri
 
 

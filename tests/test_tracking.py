@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from harness.record.tracking import PARENT_TAG, ROLE_TAG, TRIAL_ROLE, Tracker
 from harness.results import ResultsError, load
 from harness.spec import parse_spec, trial_configs
-from harness.trial.result import Status, TrialResult
+from tests.conftest import record_trial
 
 
 @pytest.fixture
@@ -20,25 +18,11 @@ def store(tmp_path):
     return uri, tracker, parent, tmp_path
 
 
-def record(tracker, parent, workdir, config, status="ok", metrics=None):
-    workdir.mkdir(exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json())
-    result = TrialResult(
-        trial_key=config.trial_key,
-        status=Status(status),
-        failure_reason="" if status == "ok" else "why",
-        metrics=metrics or {},
-        loss_history=[2.0, 1.5, float("nan")],
-        info={"device": "cpu", "torch_threads": 2},
-    )
-    return tracker.log_trial(parent, config, result, workdir, int(time.time() * 1000), "label")
-
-
 def test_trial_run_round_trips_to_a_typed_row(store, base_spec):
     uri, tracker, parent, folder = store
     base_spec["train"]["optimizer"] = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
     config = trial_configs(parse_spec(base_spec))[0]
-    run_id = record(
+    run_id = record_trial(
         tracker,
         parent,
         folder / "t1",
@@ -78,7 +62,7 @@ def test_half_written_trial_is_not_recorded_and_is_discarded(store, base_spec):
     assert tracker.recorded_trials(parent) == {}
     assert tracker.discard_unfinished_trials(parent) == 1
     assert tracker.trial_runs(parent) == []
-    record(tracker, parent, folder / "t1", config, status="oom")
+    record_trial(tracker, parent, folder / "t1", config, status="oom")
     assert tracker.recorded_trials(parent) == {config.trial_key: "oom"}
 
 
@@ -119,14 +103,14 @@ def test_the_database_read_path_gives_search_runs_frame(store, base_spec):
     configs = trial_configs(parse_spec(base_spec))
     metrics = {"throughput": 10.0, "peak_allocated_bytes": 2048.0, "accuracy": 0.5}
     run_ids = [
-        record(tracker, parent, folder / f"t{i}", c, metrics={**metrics, "accuracy": i / 10})
+        record_trial(tracker, parent, folder / f"t{i}", c, metrics={**metrics, "accuracy": i / 10})
         for i, c in enumerate(configs)
     ]
     tracker.client.log_metric(run_ids[0], "eval_loss", float("nan"))
-    record(tracker, parent, folder / "crash", configs[1], status="crash")
+    record_trial(tracker, parent, folder / "crash", configs[1], status="crash")
     tracker.client.delete_run(run_ids[1])
     second = tracker.open_sweep(None, "sweep exp", tags={}, params={"n_trials": "1"})
-    record(tracker, second, folder / "later", configs[2], metrics=metrics)
+    record_trial(tracker, second, folder / "later", configs[2], metrics=metrics)
     for sweep in ("latest", "all", parent):
         fast, slow = load("exp", uri, sweep=sweep), load("exp", uri, sweep=sweep, via="mlflow")
         pd.testing.assert_frame_equal(fast, slow)
@@ -157,7 +141,7 @@ def test_knobs_keep_their_kind_when_sizes_differ(store, base_spec):
         "sizes": {"a": {"rate": 0.1, "depth": 2, "kind": "wide"}, "b": {"rate": 0.5}},
     }
     for index, config in enumerate(trial_configs(parse_spec(base_spec))):
-        record(tracker, parent, folder / f"t{index}", config)
+        record_trial(tracker, parent, folder / f"t{index}", config)
     frame = load("exp", uri).set_index("model_size")
     assert str(frame["knob_rate"].dtype) == "float64" and frame.loc["a", "knob_rate"] == 0.1
     assert str(frame["knob_depth"].dtype) == "Int64" and frame["knob_depth"].isna().sum() == 1
