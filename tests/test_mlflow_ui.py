@@ -36,11 +36,12 @@ from tests.conftest import (
     BASE_SPEC,
     free_port,
     headless_chromium,
+    record_trial,
     run_cli,
     wait_for_port,
     write_spec,
 )
-from tests.test_tracking import record, store  # noqa: F401  (store: a fixture)
+from tests.test_tracking import store  # noqa: F401  (store: a fixture)
 
 
 def test_the_experiment_is_tagged_and_its_runs_url_printed(store, base_spec):  # noqa: F811
@@ -66,7 +67,7 @@ def test_the_experiment_is_tagged_and_its_runs_url_printed(store, base_spec):  #
     )
     config = trial_configs(parse_spec(base_spec))[0]
     metrics = {"peak_allocated_bytes": 3 * 2**20, "throughput": 2600.0, "accuracy": 0.91234}
-    run_id = record(tracker, parent, folder / "w", config, metrics=metrics)
+    run_id = record_trial(tracker, parent, folder / "w", config, metrics=metrics)
     note = tracker.client.get_run(run_id).data.tags[NOTE_TAG]
     assert note == "peak 3 MiB · 2.60k samples/s · acc 0.912"
 
