@@ -76,6 +76,12 @@ class Run:
     alternative_label: str = ""
     # Not None: printed apart and never counted toward a target, for this reason.
     informational: str | None = None
+    # The spec's size (model) the run is; None where the spec has one.
+    size: str | None = None
+    # The alternative row's size where it is another size of the spec (else the run's own), and
+    # the few words that name the alternative in the table.
+    alternative_size: str | None = None
+    alternative_short: str = "own loop"
 
 
 @dataclass(frozen=True)
@@ -88,9 +94,14 @@ class OomCheck:
     spec: str
     batch_size: int
     strategy: str
+    size: str | None = None
 
 
 OWN_LOOP = "harness's own loop (zero_grad before the forward)"
+# lit-gpt's resource tables name commit 8641822 but landed in 0cc02afa, whose RMSNorm upcasts to
+# fp32 (lit-gpt #606); the Llama runs are compared with the tree they landed in (README.md says
+# why) and the 8641822 code is shown beside.
+AT_8641822 = "lit-gpt 8641822's model code (RMSNorm in bf16), the commit the tables name"
 
 RUNS = [
     Run("A1", LITGPT, "phi-1.5 LoRA, bf16-true, mb 1 x 1044", "A-phi-1_5.yaml", 1, "none", "allocated", 4.82, "GB"),
@@ -99,9 +110,9 @@ RUNS = [
     Run("A4", LITGPT, "StableLM-3B LoRA, bf16-true, mb 1 x 1034", "A-stablelm-3b.yaml", 1, "none", "allocated", 9.69, "GB"),
     Run("A5", LITGPT, "StableLM-3B LoRA, bf16-true, mb 2 x 1034", "A-stablelm-3b.yaml", 2, "none", "allocated", 12.10, "GB"),
     Run("A6", LITGPT, "StableLM-3B LoRA, bf16-true, mb 4 x 1034", "A-stablelm-3b.yaml", 4, "none", "allocated", 16.92, "GB"),
-    Run("A7", LITGPT, "Llama-2-7B LoRA, bf16-true, mb 1 x 1304", "A-llama-2-7b.yaml", 1, "none", "allocated", 21.30, "GB"),
-    Run("A8", LITGPT, "Llama-2-7B LoRA, bf16-true, mb 2 x 1304", "A-llama-2-7b.yaml", 2, "none", "allocated", 29.07, "GB"),
-    Run("A9", LITGPT, "Llama-2-13B LoRA, bf16-true, mb 1 x 1304", "A-llama-2-13b.yaml", 1, "none", "allocated", 38.12, "GB"),
+    Run("A7", LITGPT, "Llama-2-7B LoRA, bf16-true, mb 1 x 1304", "A-llama-2-7b.yaml", 1, "none", "allocated", 21.30, "GB", size="Llama-2-7b-hf", alternative="none", alternative_size="Llama-2-7b-hf-at-8641822", alternative_label=AT_8641822, alternative_short="at 8641822"),
+    Run("A8", LITGPT, "Llama-2-7B LoRA, bf16-true, mb 2 x 1304", "A-llama-2-7b.yaml", 2, "none", "allocated", 29.07, "GB", size="Llama-2-7b-hf", alternative="none", alternative_size="Llama-2-7b-hf-at-8641822", alternative_label=AT_8641822, alternative_short="at 8641822"),
+    Run("A9", LITGPT, "Llama-2-13B LoRA, bf16-true, mb 1 x 1304", "A-llama-2-13b.yaml", 1, "none", "allocated", 38.12, "GB", size="Llama-2-13b-hf", alternative="none", alternative_size="Llama-2-13b-hf-at-8641822", alternative_label=AT_8641822, alternative_short="at 8641822"),
     Run("A10", LITGPT, "StableLM-3B LoRA, bf16-mixed, mb 1 x 1034", "A10-stablelm-3b-mixed.yaml", 1, "none", "allocated", 26.92, "GB"),
     Run("B1", RASBT, "ViT-L/16, fp32, Adam, batch 64", "B1.yaml", 64, "keep_grads", "reserved", 26.79, "GB", "none", OWN_LOOP),
     Run("B2", RASBT, "ViT-L/16, fp32 via Fabric 32-true, Adam, batch 64", "B1.yaml", 64, "keep_grads", "reserved", 26.84, "GB", "none", OWN_LOOP),
@@ -121,8 +132,22 @@ RUNS = [
 ]  # fmt: skip
 
 OOM_CHECKS = [
-    OomCheck("A-OOM1", "Llama-2-7B LoRA, bf16-true, mb 4 x 1304", "A-llama-2-7b.yaml", 4, "none"),
-    OomCheck("A-OOM2", "Llama-2-13B LoRA, bf16-true, mb 2 x 1304", "A-llama-2-13b.yaml", 2, "none"),
+    OomCheck(
+        "A-OOM1",
+        "Llama-2-7B LoRA, bf16-true, mb 4 x 1304",
+        "A-llama-2-7b.yaml",
+        4,
+        "none",
+        "Llama-2-7b-hf",
+    ),
+    OomCheck(
+        "A-OOM2",
+        "Llama-2-13B LoRA, bf16-true, mb 2 x 1304",
+        "A-llama-2-13b.yaml",
+        2,
+        "none",
+        "Llama-2-13b-hf",
+    ),
     OomCheck(
         "A-OOM3",
         "Llama-2-7B LoRA, bf16-mixed, mb 1 x 1304",
@@ -172,19 +197,32 @@ def estimate(spec: Path) -> tuple[list[dict[str, Any]], float]:
     return json.loads(done.stdout), time.perf_counter() - started
 
 
-def row_of(rows: list[dict[str, Any]], batch_size: int, strategy: str) -> dict[str, Any]:
-    for row in rows:
-        if row["batch_size"] == batch_size and row["strategy"] == strategy:
-            if row.get("predicted_peak_bytes") is None:
-                why = row.get("unpredictable") or row.get("refused") or "no prediction"
-                raise RuntimeError(f"batch {batch_size} {strategy}: {why}")
-            return row
-    raise RuntimeError(f"no row batch {batch_size} {strategy}")
+def row_of(
+    rows: list[dict[str, Any]], batch_size: int, strategy: str, size: str | None = None
+) -> dict[str, Any]:
+    """The spec's row of that batch and strategy (and size, which a spec of several must name)."""
+    found = [
+        row
+        for row in rows
+        if row["batch_size"] == batch_size
+        and row["strategy"] == strategy
+        and size in (None, row["model_size"])
+    ]
+    what = f"batch {batch_size} {strategy}" + (f" size {size}" if size else "")
+    if not found:
+        raise RuntimeError(f"no row {what}")
+    if len(found) > 1:
+        raise RuntimeError(f"{len(found)} rows {what}: name the run's size")
+    row = found[0]
+    if row.get("predicted_peak_bytes") is None:
+        why = row.get("unpredictable") or row.get("refused") or "no prediction"
+        raise RuntimeError(f"{what}: {why}")
+    return row
 
 
 def compare(run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's figure against its row's prediction of the same quantity."""
-    row = row_of(rows, run.batch_size, run.strategy)
+    row = row_of(rows, run.batch_size, run.strategy, run.size)
     figure_bytes = run.figure * UNITS[run.unit]
     predicted = float(row[PREDICTION[run.metric]])
     target = TARGETS[run.metric]
@@ -208,7 +246,7 @@ def compare(run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
         result["allocated_plus_context"] = old / UNITS[run.unit]
         result["allocated_plus_context_ratio"] = old / figure_bytes
     if run.alternative is not None:
-        other = row_of(rows, run.batch_size, run.alternative)
+        other = row_of(rows, run.batch_size, run.alternative, run.alternative_size or run.size)
         value = float(other[PREDICTION[run.metric]])
         result["alternative_predicted"] = value / UNITS[run.unit]
         result["alternative_ratio"] = value / figure_bytes
@@ -216,7 +254,7 @@ def compare(run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def oom_check(check: OomCheck, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    row = row_of(rows, check.batch_size, check.strategy)
+    row = row_of(rows, check.batch_size, check.strategy, check.size)
     return {
         **asdict(check),
         "predicted_device_bytes": float(row["predicted_device_bytes"]),
@@ -242,9 +280,10 @@ def validation_bound(run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
     from benchmarks.published.litgpt_model import CONFIGS
 
     sizes = yaml.safe_load((SPECS / run.spec).read_text())["model"]["sizes"]
-    knobs = next(iter(sizes.values()))
+    knobs = sizes[run.size] if run.size else next(iter(sizes.values()))
     config, steps, batch = CONFIGS[knobs["config"]], int(knobs["seq_len"]), run.batch_size
-    weights = float(row_of(rows, run.batch_size, run.strategy)["predicted_mem_param_bytes"])
+    row = row_of(rows, run.batch_size, run.strategy, run.size)
+    weights = float(row["predicted_mem_param_bytes"])
     widest = max(config.mlp_size, 3 * config.n_embd)
     temporaries = 4 * batch * steps * widest * 2
     if knobs.get("precision") == "bf16-mixed":
@@ -309,7 +348,10 @@ def markdown(
         target = "none (reported)" if r["target"] is None else f"±{r['target']:.0%}"
         cell = f"{r['predicted']:.2f} {unit}"
         if "alternative_predicted" in r:
-            cell += f" ({r['alternative_predicted']:.2f} own loop, {r['alternative_ratio']:.3f})"
+            cell += (
+                f" ({r['alternative_predicted']:.2f} {r['alternative_short']}, "
+                f"{r['alternative_ratio']:.3f})"
+            )
         lines.append(
             f"| {r['id']} | {r['source'][:1]} | {r['config']} | {r['metric']} | "
             f"{r['figure']:.2f} {unit} | {cell} | {r['ratio']:.3f} | {target} | {verdict(r)} |"

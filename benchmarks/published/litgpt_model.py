@@ -1,11 +1,13 @@
-"""lit-gpt's GPT with LoRA, as ``finetune/lora.py`` trained it at lit-gpt commit 8641822.
+"""lit-gpt's GPT with LoRA, as ``finetune/lora.py`` trained it for lit-gpt's resource tables.
 
 Source A (litgpt ``tutorials/resource-tables.md``, A100-SXM4-40GB, PyTorch 2.1.0, Lightning
 2.1.0.rc0) measured ``torch.cuda.max_memory_allocated()``. What a step allocates depends on the
 model code, so this is a re-implementation written from reading lit-gpt's ``lit_gpt/model.py``,
 ``lit_gpt/lora.py``, ``lit_gpt/rmsnorm.py``, ``lit_gpt/config.py``, ``lit_gpt/utils.py`` and
-``finetune/lora.py`` at that commit, plus Lightning Fabric's precision plugins and
-``_FabricModule`` at 2.1.0.rc0. The parts that decide memory, each kept as the source has it:
+``finetune/lora.py`` at commit 8641822, which the tables name, and at 0cc02afa, the tree they
+landed in (``tree``: the two differ, for these runs, only in RMSNorm's fp32 upcast and where the
+rotary tables are first built), plus Lightning Fabric's precision plugins and ``_FabricModule``
+at 2.1.0.rc0. The parts that decide memory, each kept as the source has it:
 
 - one fused ``attn`` Linear for Q, K and V; LoRA on Q and V through ``LoRAQKVLinear``: dropout
   on the LoRA input, ``lora_A`` as a Linear, ``lora_B`` as a grouped ``conv1d``, and
@@ -24,6 +26,8 @@ model code, so this is a re-implementation written from reading lit-gpt's ``lit_
 - Fabric's ``_FabricModule.forward``: ``convert_output`` casts the model's outputs to the default
   dtype (fp32) under both ``bf16-true`` and ``bf16-mixed``, so the kept logit chunks are fp32;
   ``bf16-mixed`` autocasts the model's forward only, not the loss;
+- Llama's RMSNorm: in bf16 at 8641822; from lit-gpt #606 (in 0cc02afa) x is upcast to fp32
+  first, so the fp32 copy is what its multiplications keep for backward;
 - ``chunked_cross_entropy``: the last chunk sliced to drop its final position, each chunk
   reshaped to rows (a copy where the slice is not contiguous), ``cross_entropy`` per chunk with
   ``reduction="none"``, then the mean of their concatenation.
@@ -42,6 +46,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The lit-gpt trees whose model code can run: the commit the resource tables name, and the tree
+# they landed in (the same code for these runs but for RMSNorm's fp32 upcast, lit-gpt #606).
+TREES = ("8641822", "0cc02afa")
 
 # lit_gpt.config.Config defaults at 8641822 (StableLM-Alpha's shape), overridden per model below.
 
@@ -155,21 +163,33 @@ class LoraSettings:
 
 
 class RMSNorm(nn.Module):
-    """lit-gpt's RMSNorm: mean of ``x * x``, ``rsqrt``, then the weight, all in x's dtype."""
+    """lit-gpt's RMSNorm: mean of ``x * x``, ``rsqrt``, then the weight.
 
-    def __init__(self, size: int, eps: float) -> None:
+    At 8641822 all of it runs in x's dtype (bf16 here). lit-gpt #606 ("Half precision fixes",
+    6178c7cc, merged 2023-10-24, three days before the resource tables landed in 0cc02afa)
+    upcasts x to fp32 first and casts the result back: the fp32 copy of x is what the two
+    multiplications keep for backward, twice the bytes of the bf16 x they kept before.
+    """
+
+    def __init__(self, size: int, eps: float, upcast: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.upcast = upcast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if self.upcast:
+            x = x.float()
         mean_square = torch.mean(x * x, dim=-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(mean_square + self.eps))
+        normed = self.weight * (x * torch.rsqrt(mean_square + self.eps))
+        return normed.to(dtype=dtype) if self.upcast else normed
 
 
-def norm(config: LitConfig) -> nn.Module:
+def norm(config: LitConfig, tree: str) -> nn.Module:
+    """The block's norm as the lit-gpt tree ``tree`` (a commit in ``TREES``) writes it."""
     if config.norm_class == "RMSNorm":
-        return RMSNorm(config.n_embd, config.norm_eps)
+        return RMSNorm(config.n_embd, config.norm_eps, upcast=tree != "8641822")
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps)
 
 
@@ -241,16 +261,21 @@ class LoRAQKV(nn.Module):
 
 
 def rope_tables(
-    config: LitConfig, seq_len: int, device: torch.device | None
+    config: LitConfig, seq_len: int, device: torch.device | None, tree: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``build_rope_cache``: cos and sin per position, in the default dtype (fp16 when that is a
-    16-bit type, as lit-gpt mimics complex32)."""
+    """``build_rope_cache``: cos and sin per position. At 8641822 in the default dtype (fp16 when
+    that is a 16-bit type, as lit-gpt mimics complex32); from #606 on always fp32. Either way the
+    tables training uses are fp32: they are rebuilt at the longest length under Fabric's fp32
+    default dtype."""
     n_elem = config.rope_n_elem
-    theta = 1.0 / (config.rope_base ** (torch.arange(0, n_elem, 2, device=device) / n_elem))
+    arange = torch.arange(0, n_elem, 2, device=device)
+    if tree != "8641822":
+        arange = arange.float()
+    theta = 1.0 / (config.rope_base ** (arange / n_elem))
     positions = torch.arange(seq_len, device=device) / config.rope_condense_ratio
     angles = torch.outer(positions, theta).repeat(1, 2)
     cos, sin = torch.cos(angles), torch.sin(angles)
-    if torch.get_default_dtype() in (torch.float16, torch.bfloat16):
+    if tree == "8641822" and torch.get_default_dtype() in (torch.float16, torch.bfloat16):
         return cos.half(), sin.half()
     return cos, sin
 
@@ -315,11 +340,11 @@ class LlamaMLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LitConfig, lora: LoraSettings) -> None:
+    def __init__(self, config: LitConfig, lora: LoraSettings, tree: str) -> None:
         super().__init__()
-        self.norm_1 = norm(config)
+        self.norm_1 = norm(config, tree)
         self.attn = Attention(config, lora)
-        self.norm_2 = None if config.shared_attention_norm else norm(config)
+        self.norm_2 = None if config.shared_attention_norm else norm(config, tree)
         self.mlp = LlamaMLP(config) if config.mlp_class == "LLaMAMLP" else NeoxMLP(config)
         self.parallel = config.parallel_residual
 
@@ -337,15 +362,16 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """lit-gpt's LoRA ``GPT``: embeddings, blocks, final norm, an untied LM head."""
 
-    def __init__(self, config: LitConfig, lora: LoraSettings) -> None:
+    def __init__(self, config: LitConfig, lora: LoraSettings, tree: str) -> None:
         super().__init__()
         self.config = config
+        self.tree = tree
         self.lm_head = FrozenLinear(config.n_embd, config.padded_vocab, config.lm_head_bias)
         self.transformer = nn.ModuleDict(
             {
                 "wte": nn.Embedding(config.padded_vocab, config.n_embd),
-                "h": nn.ModuleList(Block(config, lora) for _ in range(config.n_layer)),
-                "ln_f": norm(config),
+                "h": nn.ModuleList(Block(config, lora, tree) for _ in range(config.n_layer)),
+                "ln_f": norm(config, tree),
             }
         )
         self.set_max_seq_length(config.block_size)
@@ -353,7 +379,7 @@ class GPT(nn.Module):
     def set_max_seq_length(self, value: int) -> None:
         """The ``max_seq_length`` setter: (re)builds the rotary tables in the default dtype."""
         device = self.cos.device if hasattr(self, "cos") else None
-        cos, sin = rope_tables(self.config, value, device)
+        cos, sin = rope_tables(self.config, value, device, self.tree)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -419,6 +445,7 @@ def litgpt_lora(
     lora_alpha: int = 16,
     lora_dropout: float = 0.05,
     lm_head_chunk_size: int = 128,
+    tree: str = "0cc02afa",
 ) -> nn.Module:
     """The model ``finetune/lora.py`` trains, set up as it sets it up.
 
@@ -426,14 +453,17 @@ def litgpt_lora(
     script assigns to ``model.max_seq_length`` after Fabric's setup. ``precision`` is Fabric's:
     ``bf16-true`` builds under a bf16 default dtype and converts the module to bf16;
     ``bf16-mixed`` keeps fp32. Only the LoRA matrices train (``mark_only_lora_as_trainable``).
+    ``tree`` is the lit-gpt commit whose model code runs (``TREES``).
     """
     if precision not in ("bf16-true", "bf16-mixed"):
         raise ValueError(f"precision must be bf16-true or bf16-mixed (got {precision!r})")
+    if tree not in TREES:
+        raise ValueError(f"tree must be one of {', '.join(TREES)} (got {tree!r})")
     lora = LoraSettings(r=lora_r, alpha=lora_alpha, dropout=lora_dropout)
     shape = CONFIGS[config]
     build_dtype = torch.bfloat16 if precision == "bf16-true" else torch.get_default_dtype()
     with default_dtype(build_dtype):  # fabric.init_module()
-        model = GPT(shape, lora)
+        model = GPT(shape, lora, tree)
     for name, parameter in model.named_parameters():
         parameter.requires_grad = "lora_" in name
     if precision == "bf16-true":  # fabric.setup_module -> HalfPrecision.convert_module
