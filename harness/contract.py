@@ -29,6 +29,12 @@ OPTIMIZER_STATE_BYTES = {
     "adam8bit": 2,
 }
 
+# The share of a dataset held out for evaluation when the spec does not say.
+DEFAULT_TEST_FRACTION = 0.2
+
+# The largest value `harness fit` and `batch_size: [max]` try on an axis without `--max`.
+DEFAULT_FIT_MAX = {"batch_size": 4096, "seq_len": 131072}
+
 # (metric, direction) a sweep optimises when its spec names no objectives.
 DEFAULT_OBJECTIVES = (
     ("peak_allocated_bytes", "minimize"),

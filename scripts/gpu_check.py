@@ -618,7 +618,7 @@ def table(checks: list[Check], header: str, footer: str) -> str:
 def summary(checks: list[Check], host: dict[str, Any], elapsed: float) -> dict[str, Any]:
     shown = (
         "peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes", "throughput",
-        "mfu", "predicted_peak_bytes", "predicted_reserved_bytes", "predicted_device_bytes",
+        "predicted_peak_bytes", "predicted_reserved_bytes", "predicted_device_bytes",
         "prediction_ratio", "reserved_prediction_ratio", "device_prediction_ratio",
         "cpu_predicted_peak_bytes", "cpu_predicted_reserved_bytes",
         "cpu_predicted_device_bytes", "allocated_after_bytes",

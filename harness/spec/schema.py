@@ -32,6 +32,7 @@ from harness.contract import (
     DEFAULT_OBJECTIVES,
     DEFAULT_RESULTS_DIR,
     DEFAULT_STORAGE,
+    DEFAULT_TEST_FRACTION,
     DTYPES,
     SPEC_OPTIMIZERS,
 )
@@ -170,7 +171,7 @@ class DataSpec(Strict):
     dataset: str = "digits"
     data_dir: str = "data"
     download: bool = False
-    test_fraction: float = Field(0.2, gt=0, lt=1)
+    test_fraction: float = Field(DEFAULT_TEST_FRACTION, gt=0, lt=1)
     shape: list[PositiveInt] | None = Field(None, min_length=1)
     num_classes: int | None = Field(None, ge=2)
     num_samples: int | None = Field(None, ge=2)

@@ -32,6 +32,23 @@ class StrategyInfo:
     conflicts: tuple[str, ...] = ()
     requires: str | None = None  # a strategy it modifies, which must be in the combination
     splits_batch: bool = False  # the argument must divide every batch size
+    micro_batches_from_arg: bool = False  # a step runs the argument's number of micro-batches
+    # Applied in real trials only: the estimate predicts the step without it (compiled code
+    # cannot run under tensor accounting, so it predicts the eager model, as the memory
+    # window measures it).
+    eager_only: bool = False
+    # Why no step with it can run on fake tensors (None: predictable).
+    unpredictable: str | None = None
+    # What it multiplies a configuration's fit-search time by, roughly (an 8B Llama's, 2026-12:
+    # none 20 s, checkpoint 28 s, sac 29 s, lora 53 s, qlora 97 s). Only the order in which
+    # harness fit takes configurations depends on it.
+    search_cost: float = 1.0
+    # Its effect on the textbook closed form the estimate is cross-checked with: the factor on
+    # model-state bytes (bf16_params: half), whether model state is split over the ranks
+    # (fsdp), and whether only block inputs stay saved (checkpoint: ~2*s*b*h per layer).
+    state_bytes_factor: float = 1.0
+    shards_state: bool = False
+    keeps_block_inputs_only: bool = False
 
 
 def _info(name: str, doc: str, module: str, cls: str, **kw: Any) -> StrategyInfo:
@@ -57,6 +74,8 @@ STRATEGIES: dict[str, StrategyInfo] = {
             arg="blocks per segment",
             arg_type=int,
             arg_optional=True,
+            search_cost=1.4,
+            keeps_block_inputs_only=True,
         ),
         _info(
             "sac",
@@ -67,6 +86,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "selective",
             "SelectiveCheckpoint",
             conflicts=("checkpoint",),
+            search_cost=1.5,
         ),
         _info(
             "lora",
@@ -80,6 +100,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             arg_type=int,
             group="adapters",
             conflicts=("bf16_params", "prune", "prune_structured", "quantize_int8"),
+            search_cost=2.5,
         ),
         _info(
             "qlora",
@@ -95,6 +116,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             # torchao's NF4 sharding needs every inner tensor divisible by the ranks; not
             # measured here, so refused rather than left to crash mid-trial.
             conflicts=("bf16_params", "prune", "prune_structured", "quantize_int8", "fsdp"),
+            search_cost=5.0,
         ),
         _info(
             "accumulate",
@@ -105,6 +127,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             arg="micro-batches per step",
             arg_type=int,
             splits_batch=True,
+            micro_batches_from_arg=True,
         ),
         _info(
             "bf16_params",
@@ -114,6 +137,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "Bf16Params",
             bad_dtypes=("fp16",),
             conflicts=("quantize_int8",),
+            state_bytes_factor=0.5,
         ),
         _info(
             "sgd",
@@ -152,6 +176,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "optimizers",
             "Adam8bit",
             group="optimizer",
+            unpredictable="its step is compiled code, which cannot run on fake tensors",
         ),
         _info(
             "prune",
@@ -226,6 +251,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "compile",
             "Compile",
             conflicts=("ddp", "fsdp"),
+            eager_only=True,
         ),
         _info(
             "ddp",
@@ -248,6 +274,8 @@ STRATEGIES: dict[str, StrategyInfo] = {
             arg_type=int,
             group="parallel",
             splits_batch=True,
+            search_cost=1.5,
+            shards_state=True,
         ),
         _info(
             "fsdp_mixed",

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
+from harness.strategies import STRATEGIES
 from harness.strategies.base import Strategy, TrialContext
 
 PRUNABLE = (nn.Linear, nn.Conv2d)
@@ -166,9 +167,11 @@ class StructuredPrune(Strategy):
                 "structured pruning of ResNet is not supported: residual connections tie the "
                 "channel counts of each stage together (use prune for unstructured sparsity)"
             )
-        if ctx.family not in ("mlp", "cnn", "gpt"):
+        families = STRATEGIES[self.name].families or ()
+        if ctx.family not in families:
             raise ValueError(
-                f"structured pruning supports the mlp, cnn and gpt families, not {ctx.family!r}"
+                f"structured pruning supports the {', '.join(families)} families, "
+                f"not {ctx.family!r}"
             )
         if any(prune.is_pruned(m) for m in model.modules()):
             raise ValueError("prune_structured must come before prune in a combination")

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from typing import Any
 
 import pandas as pd
 
+from harness.contract import DEFAULT_FIT_MAX
 from harness.spec import Spec, trial_config
-from harness.strategies import parse_term
+from harness.strategies import STRATEGIES, parse_term
 from harness.sweep.estimate import run_trial_tool
 from harness.trial.config import TrialConfig
 from harness.workloads.sizes import training_samples
-
-DEFAULT_MAX = {"batch_size": 4096, "seq_len": 131072}
 
 
 def configurations(spec: Spec) -> list[TrialConfig]:
@@ -45,7 +43,7 @@ def configurations(spec: Spec) -> list[TrialConfig]:
 def upper_bound(config: TrialConfig, axis: str, maximum: int | None) -> int:
     """The axis' largest value to try: ``--max``, and for the batch the training split (a batch
     larger than it cannot be drawn)."""
-    bound = maximum or DEFAULT_MAX[axis]
+    bound = maximum or DEFAULT_FIT_MAX[axis]
     if axis == "batch_size":
         samples = training_samples(config.dataset, config.dataset_options)
         if samples:
@@ -76,19 +74,15 @@ def fit_configs(
     return run_trial_tool("harness.trial.fit", request, "the fit search", processes=jobs)
 
 
-# What a strategy multiplies a configuration's search time by, roughly (an 8B Llama's, 2026-12:
-# none 20 s, checkpoint 28 s, sac 29 s, lora 53 s, qlora 97 s; accumulate:K runs K
-# micro-batches a step). Only the order in which configurations are taken depends on it.
-SEARCH_COST = {"qlora": 5.0, "lora": 2.5, "checkpoint": 1.4, "sac": 1.5, "fsdp": 1.5}
-
-
 def likely_cost(config: TrialConfig) -> float:
-    """A configuration's search time relative to the same model without strategies."""
+    """A configuration's search time relative to the same model without strategies (each
+    strategy's ``search_cost``, times K for one that runs K micro-batches a step)."""
     cost = 1.0
     for term in config.strategy:
         name, arg = parse_term(term)
-        cost *= SEARCH_COST.get(name, 1.0)
-        if name == "accumulate" and arg is not None:
+        info = STRATEGIES[name]
+        cost *= info.search_cost
+        if info.micro_batches_from_arg and arg is not None:
             cost *= int(arg)
     return cost
 
@@ -132,23 +126,3 @@ def fit_grid(
                 }
             )
     return pd.DataFrame(rows)
-
-
-def matrix(frame: pd.DataFrame) -> pd.DataFrame:
-    """Configurations × budgets, each cell the largest value that fits (0: not even the
-    smallest allowed value)."""
-    table = frame.pivot_table(
-        index=["model_size", "dtype", "strategy"],
-        columns="budget_bytes",
-        values="value",
-        aggfunc="first",
-        sort=False,
-    )
-    return table
-
-
-def with_value(config: TrialConfig, axis: str, value: int) -> TrialConfig:
-    """A trial config at a found value (what the sweep trains for ``batch_size: [max]``)."""
-    if axis == "batch_size":
-        return replace(config, batch_size=value)
-    return replace(config, model_knobs={**config.model_knobs, "seq_len": value})

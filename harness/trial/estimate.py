@@ -41,7 +41,6 @@ from harness.trial.target import CudaTarget, cuda_rules, cuda_target, target_not
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
-UNPREDICTABLE = {"adam8bit": "its step is compiled code, which cannot run on fake tensors"}
 # Under this key a fit prediction (``totals=True``) of a CUDA target keeps what its device
 # figures were replayed from, so a search can judge it against other budgets
 # (``replay_for_budget``); not JSON, never written out.
@@ -130,10 +129,11 @@ class Predictor:
     def build(self) -> None:
         """Enter the fake world, build the model, take the warm-up step."""
         config = self.config
-        names = {parse_term(term)[0] for term in config.strategy}
-        for name in sorted(names & UNPREDICTABLE.keys()):
-            self.failure = {"unpredictable": f"{name}: {UNPREDICTABLE[name]}"}
-            return
+        names = sorted({parse_term(term)[0] for term in config.strategy})
+        for name in names:
+            if (why := STRATEGIES[name].unpredictable) is not None:
+                self.failure = {"unpredictable": f"{name}: {why}"}
+                return
         ranks = Ranks(rank=0, size=config.world_size, launched=needs_process_group(config.strategy))
         stack = contextlib.ExitStack()
         try:
@@ -318,14 +318,14 @@ def closed_form(config: TrialConfig, prediction: dict[str, float]) -> dict[str, 
     num_params = prediction["num_params"]
     frozen = prediction.get("num_params_total", num_params) - num_params
     nf4 = prediction.get("num_params_nf4", 0.0)
-    names = [parse_term(t) for t in config.strategy]
+    infos = [STRATEGIES[parse_term(t)[0]] for t in config.strategy]
     optimizer = next(
-        (n for n, _ in names if STRATEGIES[n].group == "optimizer"), config.optimizer["name"]
+        (info.name for info in infos if info.group == "optimizer"), config.optimizer["name"]
     )
     if optimizer == "sgd" and config.optimizer.get("momentum"):
         optimizer = "sgd_momentum"
-    scale = 0.5 if any(n == "bf16_params" for n, _ in names) else 1.0
-    if any(n == "fsdp" for n, _ in names):  # per rank: a 1/N shard of everything
+    scale = math.prod(info.state_bytes_factor for info in infos)
+    if any(info.shards_state for info in infos):  # per rank: a 1/N shard of everything
         scale /= config.world_size
     state = OPTIMIZER_STATE_BYTES[optimizer]
     base_bytes = base_dtype(config.lora or {}, config.dtype).itemsize
@@ -336,7 +336,7 @@ def closed_form(config: TrialConfig, prediction: dict[str, float]) -> dict[str, 
         s, b, h, a = knobs["seq_len"], config.batch_size, knobs["d_model"], knobs["n_head"]
         per_layer = (
             2 * s * b * h
-            if any(n == "checkpoint" for n, _ in names)
+            if any(info.keeps_block_inputs_only for info in infos)
             else s * b * h * (34 + 5 * a * s / h)
         )
         out["korthikanti_activation_bytes"] = math.ceil(per_layer * knobs["n_layer"])

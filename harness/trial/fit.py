@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from harness.contract import DEFAULT_FIT_MAX
 from harness.cuda.device_memory import DeviceMemory
 from harness.strategies import batch_step
 from harness.trial.config import TrialConfig
@@ -41,7 +42,6 @@ from harness.trial.estimate import REPLAY, Predictor, replay_for_budget
 from harness.trial.tool import serve
 
 AXES = ("batch_size", "seq_len")
-DEFAULT_MAX = {"batch_size": 4096, "seq_len": 131072}
 
 
 def at_value(config: TrialConfig, axis: str, value: int) -> TrialConfig:
@@ -379,7 +379,7 @@ def fit_answer(
     config: TrialConfig, index: int, request: dict[str, Any], device: torch.device, as_cuda: bool
 ) -> dict[str, Any]:
     """One config's answer: ``{"rows": fit_config's rows}``."""
-    maxima = request.get("max") or [DEFAULT_MAX[request["axis"]]] * len(request["configs"])
+    maxima = request.get("max") or [DEFAULT_FIT_MAX[request["axis"]]] * len(request["configs"])
     budgets = [int(b) for b in request["budgets"]]
     return {
         "rows": fit_config(config, request["axis"], budgets, int(maxima[index]), device, as_cuda)

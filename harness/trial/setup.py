@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.strategies import build_strategies
+from harness.strategies import STRATEGIES, build_strategies
 from harness.strategies.base import Strategy, TrialContext
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
@@ -29,10 +29,6 @@ from harness.workloads import build_workload
 from harness.workloads.convert import convert
 from harness.workloads.task import Task
 from harness.workloads.tensors import Batch, DataInfo, SplitData, chunks
-
-# Strategies that cannot run on fake tensors and change no tensor's size: the estimate leaves
-# them out (``compile`` is predicted eagerly, which is also what the memory window measures).
-EAGER_ONLY = ("compile",)
 
 
 @dataclass(frozen=True)
@@ -116,13 +112,13 @@ def build_setup(
     optimizer where a strategy says so, and build that with ``foreach`` fixed.
 
     ``data`` is None when estimating on fake tensors: then there is no data, no GradScaler
-    (its inf check reads values) and no ``EAGER_ONLY`` strategy.
+    (its inf check reads values) and no strategy the registry marks ``eager_only``.
     """
     estimating = data is None
     strategies = tuple(
         strategy
         for strategy in build_strategies(config.strategy)
-        if not (estimating and strategy.name in EAGER_ONLY)
+        if not (estimating and STRATEGIES[strategy.name].eager_only)
     )
     precision = Precision(config.dtype, device, scaler=not estimating)
     # The estimate builds the model for real with its large tensors on meta (harness.trial.fake)

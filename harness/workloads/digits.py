@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from harness.contract import DEFAULT_TEST_FRACTION
 from harness.workloads.tensors import DataInfo, SplitData, split
 
 NUM_CLASSES = 10
@@ -42,4 +43,6 @@ def load(options: dict[str, Any], seed: int) -> SplitData:
     table = torch.tensor(rows, dtype=torch.float32)
     images = (table[:, :64] / 16.0).reshape(-1, 1, 8, 8)
     labels = table[:, 64].long()
-    return split(images, labels, NUM_CLASSES, options.get("test_fraction", 0.2), seed)
+    return split(
+        images, labels, NUM_CLASSES, options.get("test_fraction", DEFAULT_TEST_FRACTION), seed
+    )

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from harness.contract import DEFAULT_TEST_FRACTION
 from harness.workloads import find_file
 from harness.workloads.tensors import INPUTS, TARGETS, DataInfo, SplitData, split
 from harness.workloads.text import windows
@@ -88,7 +89,7 @@ def describe(options: dict[str, Any], search: list[str]) -> DataInfo:
 
 def load(options: dict[str, Any], seed: int, search: list[str]) -> SplitData:
     rows = read_rows(options, search)
-    fraction = options.get("test_fraction", 0.2)
+    fraction = options.get("test_fraction", DEFAULT_TEST_FRACTION)
     image_column = options.get("image_column")
     if image_column:
         import numpy as np

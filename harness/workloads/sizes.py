@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.contract import DEFAULT_TEST_FRACTION
+
 DIGITS_SAMPLES = 1797  # scikit-learn's bundled digits
 CIFAR10_TRAIN_SAMPLES = 50_000  # CIFAR-10's own training split (its test split is held out)
 SYNTHETIC_SAMPLES = 2048  # harness.workloads.synthetic's default num_samples
 TOKENS_SAMPLES = 512  # harness.workloads.tokens' default num_samples
 DEFAULT_SEQ_LEN = 128
-DEFAULT_TEST_FRACTION = 0.2
 
 
 def corpus_bytes() -> bytes:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from harness.contract import DEFAULT_TEST_FRACTION
 from harness.workloads.tensors import DataInfo, SplitData, split
 
 DEFAULT_SHAPE = (3, 32, 32)
@@ -24,4 +25,4 @@ def load(options: dict[str, Any], seed: int) -> SplitData:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn((num_samples, *shape), generator=generator)
     y = torch.randint(0, num_classes, (num_samples,), generator=generator)
-    return split(x, y, num_classes, options.get("test_fraction", 0.2), seed)
+    return split(x, y, num_classes, options.get("test_fraction", DEFAULT_TEST_FRACTION), seed)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from harness.contract import DEFAULT_TEST_FRACTION
 from harness.workloads.sizes import corpus_bytes
 from harness.workloads.tensors import INPUTS, TARGETS, DataInfo, SplitData
 
@@ -37,7 +38,7 @@ def describe(options: dict[str, Any]) -> DataInfo:
 def load(options: dict[str, Any], seed: int) -> SplitData:
     seq_len = int(options.get("seq_len") or 128)
     tokens = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
-    cut = int(len(tokens) * (1 - options.get("test_fraction", 0.2)))
+    cut = int(len(tokens) * (1 - options.get("test_fraction", DEFAULT_TEST_FRACTION)))
     train, test = windows(tokens[:cut], seq_len), windows(tokens[cut:], seq_len)
     return SplitData(
         {INPUTS: train[0], TARGETS: train[1]}, {INPUTS: test[0], TARGETS: test[1]}, VOCAB

@@ -11,9 +11,15 @@ from typing import Any
 
 import torch
 
+from harness.contract import DEFAULT_TEST_FRACTION
 from harness.workloads.tensors import INPUTS, TARGETS, DataInfo, SplitData
 
-DEFAULTS = {"vocab_size": 32000, "seq_len": 128, "num_samples": 512, "test_fraction": 0.2}
+DEFAULTS = {
+    "vocab_size": 32000,
+    "seq_len": 128,
+    "num_samples": 512,
+    "test_fraction": DEFAULT_TEST_FRACTION,
+}
 
 
 def settings(options: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from harness.contract import DEFAULT_TEST_FRACTION
 from harness.workloads.tensors import INPUTS, TARGETS, Batch, SplitData, split_batch
 
 
@@ -77,4 +78,6 @@ def load_user_data(function: Callable[..., Any], options: dict[str, Any], seed: 
         return SplitData(train, test, int(classes))
     data = as_batch(returned, "the data")
     classes = options.get("num_classes") or label_count(data)
-    return split_batch(data, int(classes), options.get("test_fraction", 0.2), seed)
+    return split_batch(
+        data, int(classes), options.get("test_fraction", DEFAULT_TEST_FRACTION), seed
+    )
