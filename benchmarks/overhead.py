@@ -18,7 +18,7 @@ machine moves both sides alike:
 3. **Repeatability**: the same trial, every round: ``peak_allocated_bytes`` must not move
    (tensor accounting is exact on CPU); the throughput's coefficient of variation is reported.
 4. **Memory-measurement cost**: a step inside the memory window (tensor accounting on) / an
-   untracked timed step: why the windows are separate (design notes §4).
+   untracked timed step: why the windows are separate (docs/measuring.md).
 """
 
 from __future__ import annotations

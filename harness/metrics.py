@@ -1,4 +1,4 @@
-"""The canonical metric names (design notes §3): one list that the trial, MLflow, the results
+"""The canonical metric names: one list that the trial, MLflow, the results
 table, objective validation and the README all agree on. Standard library only."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """PyTorch's CUDA caching allocator, modelled in pure Python so any machine can replay it.
 
 What a card runs out of is the allocator's *reserved* segments, not the bytes tensors hold
-(design notes §9). This module re-implements, decision for decision, the default pool of
+(docs/cards.md). This module re-implements, decision for decision, the default pool of
 ``DeviceCachingAllocator`` in ``c10/cuda/CUDACachingAllocator.cpp`` and the settings parser of
 ``c10/core/AllocatorConfig.cpp`` / ``c10/cuda/CUDAAllocatorConfig.cpp`` (PYTORCH_CUDA_ALLOC_CONF),
 for one device, streams as plain ints, no CUDA graphs or private pools. A replay of a recorded

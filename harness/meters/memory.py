@@ -12,7 +12,7 @@ lives on the device outside the allocator at the end of the window, read with
 the outside part (CUDA context, cuBLAS/cuDNN workspaces not served by the caching allocator,
 NCCL buffers, and any other process on the same GPU) is taken as it stands after the window,
 so a transient outside allocation inside the window is missed and another process's usage is
-counted. It is its own figure (design notes §4), never the trial's peak.
+counted. It is its own figure (docs/measuring.md), never the trial's peak.
 
 The allocator snapshot (CUDA only, opt-in): the caching allocator's alloc/free history over the
 window, dumped for PyTorch's memory viewer. Bounded to ``SNAPSHOT_MAX_ENTRIES`` events with

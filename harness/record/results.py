@@ -35,7 +35,7 @@ from harness.record.tracking import (
 )
 from harness.trial.config import TIMELINE_FILE
 
-# The fixed leading columns (design notes §7), then every metric of §3.
+# The fixed leading columns (the grid's axes and identity), then every metric of METRICS.
 ID_COLUMNS = [
     "trial_key",
     "status",

@@ -1,4 +1,4 @@
-"""MLflow recording: one parent run per sweep, one child run per trial (design notes §5).
+"""MLflow recording: one parent run per sweep, one child run per trial.
 
 Runs are written with ``MlflowClient`` and explicit run ids (never the fluent "active run"), so
 nothing depends on global state. A child run is created only once its trial has finished, in one

@@ -1,6 +1,6 @@
 """Spec problems as one line each: ``file: field.path: what is wrong (allowed: ...)``.
 
-A user's typo must never cost them a sweep (design notes §6): every complaint names the place,
+A user's typo must never cost them a sweep: every complaint names the place,
 what was wrong and what is allowed, with a "did you mean" where a name is close.
 """
 

@@ -1,6 +1,6 @@
 """The YAML experiment spec as pydantic models: every key, its default and its checks.
 
-Key names follow the design notes §7 and are a contract with users; every key is documented in
+Key names are a contract with users (docs/architecture.md); every key is documented in
 the README. Unknown keys are errors, so a typo never silently changes a sweep. Validators
 complain with ``FieldProblem`` (a place inside the field) or ``ValueError``; ``spec.load``
 turns either into one line.

@@ -1,6 +1,6 @@
 """Training one built trial: warm up, measure memory, time steps, train to budget, evaluate.
 
-The phases are separate on purpose (design notes §4): the optimizer state exists only after the
+The phases are separate on purpose (docs/measuring.md): the optimizer state exists only after the
 first step, so memory is measured after warm-up; tensor accounting slows steps, so timing runs
 in a window of its own. Every measured step is also a real training step and counts toward the
 budget.

@@ -1,4 +1,4 @@
-"""What one trial reports: exactly one status (design notes §3), its metrics, its loss curve and
+"""What one trial reports: exactly one ``Status``, its metrics, its loss curve and
 what it learned about itself. Standard library only: the sweep layer reads it too.
 
 The trial writes it as ``result.json``; the launcher adds how long the process ran and how often

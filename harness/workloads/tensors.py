@@ -1,7 +1,7 @@
 """In-memory datasets as tensors: a train/held-out split and a seeded batch iterator.
 
 Everything the trial needs is small enough to live on the device, so throughput measures the
-model, not a data loader (design notes §7). A batch is a dict of tensors whose first dimension
+model, not a data loader. A batch is a dict of tensors whose first dimension
 is the sample: ``x`` and ``y`` for the built-in datasets (inputs, labels or next tokens), the
 names a user's data or a Hugging Face dataset gives (``input_ids``, ``attention_mask``,
 ``labels``, ``pixel_values``, ...) otherwise.
