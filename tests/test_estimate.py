@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
 from harness.results import load
-from harness.spec import parse_spec, trial_configs
+from harness.spec import load_spec, parse_spec, trial_configs
 from harness.sweep.estimate import run_trial_tool
 from harness.sweep.launch import launch_trial
 from harness.trial.estimate import closed_form, estimate_peak
 from harness.trial.run import run_trial
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, copy_fixture, run_cli, write_spec
 
 GPT8 = {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}
 
@@ -149,3 +150,40 @@ def test_several_processes_answer_one_request_each_config_once(capfd):
     assert sorted(line.split(":")[0] for line in progress) == sorted(
         f"estimated {n}/6" for n in range(1, 7)
     ), progress  # one line per config: none answered twice
+
+
+def faulty_spec(tmp_path, mode):
+    copy_fixture("faulty_models.py", tmp_path)
+    data = copy.deepcopy(BASE_SPEC)
+    data["model"] = {"family": "faulty_models:build", "sizes": {mode: {"mode": mode}}}
+    data["train"]["budget"] = {"steps": 2}
+    return write_spec(tmp_path, data)
+
+
+def test_value_dependent_shapes_are_unpredictable_and_the_trial_still_trains(tmp_path):
+    """What fake tensors refuse (an output whose shape depends on values) is "unpredictable";
+    the trial itself trains and says why it has no prediction."""
+    config = trial_configs(load_spec(faulty_spec(tmp_path, "value_dependent")))[0]
+    prediction = estimate_peak(config, torch.device("cpu"))
+    assert list(prediction) == ["unpredictable"]
+    assert prediction["unpredictable"].startswith("DynamicOutputShapeException")
+    result = launch_trial(config, tmp_path / "trial", timeout_s=120)
+    assert result.status == "ok", result.failure_reason
+    assert "predicted_peak_bytes" not in result.metrics
+
+
+def test_a_bug_in_the_model_is_a_crash_not_an_unpredictable_row(tmp_path):
+    """Any other exception is a bug: the estimate does not hide it in a row. The command says
+    so in one line that names where the whole traceback was kept."""
+    spec_path = faulty_spec(tmp_path, "raise")
+    config = trial_configs(load_spec(spec_path))[0]
+    with pytest.raises(RuntimeError, match="user model failed on purpose"):
+        estimate_peak(config, torch.device("cpu"))
+    done = run_cli("estimate", str(spec_path), cwd=tmp_path, timeout=300)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "RuntimeError: user model failed on purpose" in last, done.stderr
+    log = Path(last.rsplit("traceback and all: ", 1)[1].rstrip(")"))
+    kept = log.read_text()
+    assert "Traceback (most recent call last)" in kept and "faulty_models.py" in kept
+    log.unlink()

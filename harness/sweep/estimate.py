@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -88,14 +89,26 @@ def run_trial_tool(module: str, request: dict[str, Any], what: str, processes: i
         for code, (_, _, errors) in zip(codes, children, strict=True):
             if code != 0:
                 errors.seek(0)
-                lines = errors.read().strip().splitlines()
-                raise EstimateError(f"{what} failed: {lines[-1] if lines else 'no output'}")
+                raise EstimateError(failure(what, errors.read()))
         merged: list[Any] = [None] * len(request["configs"])
         for _, answer, _ in children:  # each child answered the configs it claimed
             for index, found in enumerate(json.loads(answer.read_text())):
                 if found is not None:
                     merged[index] = found
         return merged
+
+
+def failure(what: str, stderr: str) -> str:
+    """One line for a failed child: its last line, and where its whole output (a crash's
+    traceback) was kept, since the folder it was written to goes away."""
+    lines = stderr.strip().splitlines()
+    message = f"{what} failed: {lines[-1] if lines else 'no output'}"
+    if len(lines) > 1:
+        handle, path = tempfile.mkstemp(prefix="harness-estimator-", suffix=".log")
+        with os.fdopen(handle, "w") as log:
+            log.write(stderr)
+        message += f" (its output, traceback and all: {path})"
+    return message
 
 
 def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:

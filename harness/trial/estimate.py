@@ -35,7 +35,12 @@ from harness.strategies.base import StrategyError
 from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
-from harness.trial.fake import ValuesReadAsOne, fake_process_group, libraries_run_eagerly
+from harness.trial.fake import (
+    FAKE_REFUSALS,
+    ValuesReadAsOne,
+    fake_process_group,
+    libraries_run_eagerly,
+)
 from harness.trial.setup import Setup, build_setup
 from harness.trial.target import CudaTarget, cuda_rules, cuda_target, target_note
 from harness.units import format_bytes
@@ -52,8 +57,9 @@ def estimate_peak(
     config: TrialConfig, device: torch.device, as_cuda: bool = False
 ) -> dict[str, Any]:
     """``predicted_peak_bytes`` and the predicted breakdown; ``{"unpredictable": why}`` when the
-    step cannot run on fake tensors; ``{"refused": why}`` when a strategy cannot apply to the
-    model (the trial would end before training with the same message).
+    step cannot run on fake tensors (``FAKE_REFUSALS``); ``{"refused": why}`` when a strategy
+    cannot apply to the model (the trial would end before training with the same message).
+    Any other exception propagates: a crash is a bug to see, not a row to hide it in.
 
     ``as_cuda``: run on ``device``'s kernels (the CPU) but account storages as CUDA allocates
     them, for a CUDA target predicted on a machine without a GPU. A multi-rank trial is
@@ -164,10 +170,13 @@ class Predictor:
             stack.close()
             self.failure = {"refused": str(error)}
             return
-        except Exception as error:  # data-dependent code cannot run on fake tensors
+        except FAKE_REFUSALS as error:  # value-dependent code cannot run on fake tensors
             stack.close()
             self.failure = {"unpredictable": one_line(error)}
             return
+        except BaseException:  # a bug (harness's or the model's): a crash, traceback and all
+            stack.close()
+            raise
         self.stack, self.setup = stack, setup
 
     def predict(self, batch_size: int) -> dict[str, Any]:
@@ -185,9 +194,12 @@ class Predictor:
         )
         try:
             prediction = self.window(setup, config)
-        except Exception as error:  # this batch's step failed: its state is not to be reused
+        except FAKE_REFUSALS as error:  # this batch's step failed: its state is not to be reused
             self.close()
             return {"unpredictable": one_line(error)}
+        except BaseException:
+            self.close()
+            raise
         return prediction
 
     def window(self, setup: Setup, config: TrialConfig) -> dict[str, Any]:

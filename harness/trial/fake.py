@@ -34,12 +34,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses import fake_tensor
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from harness.trial.distributed import Ranks
 
 SMALL = 2**16  # elements: tensors up to this size are built for real (their values readable)
+
+# What fake tensors raise where a step's path depends on values they do not have (an output
+# whose shape depends on data, a guard on a data-dependent size) or where an op has no fake
+# kernel: a step that raises one of these cannot be predicted, which the estimate says
+# ("unpredictable"). Any other exception is a bug, in harness or in the model, and a crash.
+FAKE_REFUSALS: tuple[type[Exception], ...] = (
+    fake_tensor.DataDependentOutputException,
+    fake_tensor.DynamicOutputShapeException,
+    fake_tensor.UnsupportedOperatorException,
+    fake_tensor.UnsupportedFakeTensorException,
+    fake_tensor.UnsupportedMutationAliasingException,
+    GuardOnDataDependentSymNode,
+)
 
 # Functions that create a tensor from sizes or Python numbers, not from other tensors.
 _FACTORIES = {
