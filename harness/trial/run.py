@@ -70,7 +70,9 @@ def how_it_ended(error: Exception) -> tuple[Status, str] | None:
         return error.status, error.reason
     if isinstance(error, torch.OutOfMemoryError):
         return Status.OOM, first_line(error) or "out of memory"
-    # The CPU allocator's refusal is an allocation failure like CUDA's, not a crash.
+    # The CPU allocator's refusal is an allocation failure like CUDA's, not a crash. torch
+    # raises no type of its own for it (2.14: a plain RuntimeError from c10's enforce in
+    # alloc_cpu.cpp), so the allocator's own words are what tells it apart.
     if isinstance(error, RuntimeError) and "can't allocate memory" in str(error):
         return Status.OOM, first_line(error)[:300]
     return None
