@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness.analyse.noise import noise_reason
@@ -81,11 +82,20 @@ def sleeping_window(seconds: float) -> dict[str, float]:
     return meter.metrics()
 
 
+def spinning(process: subprocess.Popen[bytes], cpu_s: float = 0.2, within_s: float = 30) -> None:
+    """Return once ``process`` has run ``cpu_s`` of CPU time: started and spinning, however
+    loaded the machine is."""
+    watched, deadline = psutil.Process(process.pid), time.monotonic() + within_s
+    while sum(watched.cpu_times()[:2]) < cpu_s:
+        assert time.monotonic() < deadline, f"the spinner ran < {cpu_s} s of CPU in {within_s} s"
+        time.sleep(0.05)
+
+
 @linux_only
 def test_a_process_spinning_a_core_is_seen_as_other_work():
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.3)  # started and spinning
+        spinning(spinner)
         figures = sleeping_window(1.0)
     finally:
         spinner.kill()
