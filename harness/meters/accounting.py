@@ -1,131 +1,86 @@
-"""Tensor accounting: PyTorch's ``MemTracker``, loaded cheaply, and what the meters build on it.
+"""Tensor accounting: the trackers the meters use, and what they read from them.
 
-``MemTracker`` (``torch.distributed._tools.mem_tracker``) sees every storage created while it is
-active and files it by what holds it (parameter, gradient, optimizer state, activation, ...).
-The memory window, the timeline and ``quantize_int8``'s inference peak all use it through this
-module, and fold its reference types into the five categories of ``harness.metrics`` here,
-once.
+A tracker sees every storage created while it is active and files it by what holds it
+(parameter, gradient, optimizer state, activation, ...): PyTorch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``), run by the engine ``harness.meters.tracker`` picks
+for the installed torch (fast, on its private parts; or as shipped, slower, same numbers). The
+memory window, the timeline and ``quantize_int8``'s inference peak use it through this module,
+and fold its reference types into the five categories of ``harness.metrics`` here, once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from harness.meters import tracker
+from harness.meters.tracker import TOTAL, get_untyped_storages
 
-def _skip_tools_package_init() -> None:
-    """Let ``torch.distributed._tools.mem_tracker`` load without its package's ``__init__``.
-
-    That ``__init__`` imports every tool of the package, among them a runtime estimator that
-    loads the inductor: ~1.7-2.5 s of every trial's start-up, for nothing a trial uses. The
-    package is registered as a plain namespace for its submodules (torch's own code imports
-    only submodules from it, never names from the package itself).
-    """
-    import importlib.util
-    import sys
-
-    import torch.distributed  # noqa: F401  (the parent must exist first)
-
-    name = "torch.distributed._tools"
-    if name not in sys.modules:
-        spec = importlib.util.find_spec(name)
-        if spec is not None:
-            sys.modules[name] = importlib.util.module_from_spec(spec)
-
-
-_skip_tools_package_init()
-
-from torch._guards import active_fake_mode  # noqa: E402
-from torch.distributed._tools import mem_tracker  # noqa: E402
-from torch.distributed._tools.common_utils import get_untyped_storages  # noqa: E402
-from torch.distributed._tools.mem_tracker import (  # noqa: E402
-    _TOTAL_KEY,
-    MemTracker,
-    _MemRefType,
-    _ModState,
-)
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._pytree import tree_map_only  # noqa: E402
+__all__ = [
+    "CUDA_BLOCK",
+    "PeakTracker",
+    "TotalsTracker",
+    "allocated_bytes",
+    "cuda_accounting",
+    "fold",
+    "get_untyped_storages",
+    "on_device",
+    "optimizer_state_bytes",
+    "peak_forward_bytes",
+    "storage_bytes",
+]
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
 
 
-class PeakTracker(MemTracker):
-    """``MemTracker`` keeping only what the meters read: the running snapshot and the peak.
+class PeakTracker:
+    """Tensor accounting over a ``with`` block: the running snapshot by reference type, and
+    its peak. ``MemTracker``'s interface, on the engine ``harness.meters.tracker`` chose
+    (``kind`` forces one: ``"fast"`` or ``"public"``).
 
-    After every op ``MemTracker`` also updates a peak per tracked module, walking every module
-    it has seen; nothing here reads those, and on a 32-layer model that walk was 60 % of a
-    tracked step (an 8B Llama's fake step: 18 s). Module hooks still run: they tell forward,
-    backward and recomputation apart.
+    Register what exists before the block with ``track_external`` (model, optimizer,
+    batches); call ``reset_mod_stats`` between two forward passes of one step.
     """
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        """``MemTracker``'s, minus its per-op costs that buy nothing here: a pytree walk over
-        every op's outputs (most ops return one tensor or a flat tuple of them) and a second
-        look at the mode stack. Same decisions: DTensor ops left to DTensor, a fake
-        ``wait_tensor`` returning its input, ops of a nested fake mode (DTensor's sharding
-        propagation) not tracked, the reference type by phase. A tracked step: -20 %."""
-        if DTensor in types:
-            return NotImplemented
-        fake_mode = active_fake_mode()
-        if func is torch.ops._c10d_functional.wait_tensor.default and fake_mode:
-            result = args[0]  # the meta kernel would return a new tensor; eager does not
-        else:
-            result = func(*args, **(kwargs or {}))
-        if fake_mode is not self._fake_mode_on_entry:
-            return result
-        if self._in_opt:
-            reftype = _MemRefType.OPT
-        elif self._mod_tracker.is_bw and not self._in_ac:
-            reftype = _MemRefType.TEMP
-        else:
-            reftype = _MemRefType.ACT
-        track = functools.partial(self._track, reftype)
-        if isinstance(result, torch.Tensor):
-            track(result)
-        elif isinstance(result, (tuple, list)):
-            for item in result:
-                if isinstance(item, torch.Tensor):
-                    track(item)
-                elif isinstance(item, (tuple, list, dict)):
-                    tree_map_only(torch.Tensor, track, item)
-        elif isinstance(result, dict):
-            tree_map_only(torch.Tensor, track, result)
-        self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
-        return result
+    def __init__(self, kind: str | None = None) -> None:
+        self.engine: tracker.Tracker = tracker.engine(kind)
 
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        for dev, dev_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = dict(dev_snap)
+    def track_external(self, *external: Any) -> None:
+        self.engine.track_external(*external)
 
-    def _track_module_params_and_buffers(
-        self, module: torch.nn.Module, install_grad_hooks: bool = True
-    ) -> tuple[int, int]:
-        """As ``MemTracker``'s, but gradient hooks only on parameters that get gradients:
-        ``MemTracker`` hooks every parameter, and a frozen one (a LoRA base) refuses hooks."""
-        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-        if install_grad_hooks:
-            for param in module.parameters():
-                if param.requires_grad and param not in self._param_to_grad_hook_handles:
-                    self._param_to_grad_hook_handles[param] = (
-                        param.register_hook(self._track_gradient),
-                        param.register_post_accumulate_grad_hook(
-                            lambda p: self._track_gradient(p.grad)
-                        ),
-                    )
-        return memory
+    def __enter__(self) -> PeakTracker:
+        self.engine.__enter__()
+        return self
 
-    def _track_gradient(self, grad: torch.Tensor) -> None:
-        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+    def __exit__(self, *exc: Any) -> None:
+        self.engine.__exit__(*exc)
+
+    def reset_mod_stats(self) -> None:
+        self.engine.reset_mod_stats()
+
+    def get_tracker_snapshot(self, type: str = "current") -> dict[Any, dict[Any, int]]:
+        """``"current"`` or ``"peak"``: bytes by device, then by reference type and ``Total``."""
+        return self.engine.get_tracker_snapshot(type)
 
 
-class TotalsTracker(PeakTracker):
+class ObservingTracker(PeakTracker):
+    """A tracker that looks at the running snapshot after every op (``after_op``), where
+    ``MemTracker`` takes its peak: the base of ``TotalsTracker`` and the timeline's."""
+
+    def __init__(self, device: torch.device, kind: str | None = None) -> None:
+        self.observed: tracker.ObservedTracker = tracker.observed_engine(
+            self.after_op, device.type, kind
+        )
+        self.engine = self.observed
+
+    def after_op(self) -> None:
+        """After every tracked op; ``self.observed`` says what the snapshot holds now."""
+
+
+class TotalsTracker(ObservingTracker):
     """``PeakTracker`` that also keeps the running total on one device type at entry and after
     every op that allocated: the moments its peak is the largest of.
 
@@ -138,34 +93,20 @@ class TotalsTracker(PeakTracker):
     and would misalign the moments.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
+    def __init__(self, device: torch.device, kind: str | None = None) -> None:
+        super().__init__(device, kind)
         self.device_type = device.type
         self.totals: list[int] = []
-        self._allocated = False  # since the last kept moment
 
     def __enter__(self) -> TotalsTracker:
         super().__enter__()
-        self.totals.append(self._total())
+        self.totals.append(self.observed.total())
         return self
 
-    def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
-        before = self._total()
-        super()._update_snap(u_type, winfo, *args, **kwargs)
-        if self._total() > before:  # a new storage, or one resized larger (FSDP's all-gather)
-            self._allocated = True
-
-    def _update_peak_stats(self, peak_state: Any) -> None:  # after every op
-        super()._update_peak_stats(peak_state)
-        if self._allocated:
-            self.totals.append(self._total())
-            self._allocated = False
-
-    def _total(self) -> int:
-        for dev, dev_snap in self._curr_mem_snap.items():
-            if dev.type == self.device_type:
-                return dev_snap[_TOTAL_KEY]
-        return 0
+    def after_op(self) -> None:
+        if self.observed.rose:  # a new storage, or one resized larger (FSDP's all-gather)
+            self.totals.append(self.observed.total())
+            self.observed.rose = False
 
 
 _round_every_device = False  # set by cuda_accounting()
@@ -183,9 +124,10 @@ def cuda_accounting() -> Iterator[None]:
     """Count every storage as CUDA's caching allocator would (512-byte blocks), whatever its
     device: a CUDA trial predicted where there is no GPU runs CPU kernels but must be accounted
     as CUDA. ``MemTracker`` decides the rounding per storage by device type in a private
-    helper, which is why that one method is swapped for the duration."""
+    helper, which is why that one method is swapped for the duration (either engine: the
+    helper is ``MemTracker``'s own; ``tracker.storage_record`` checks it is there)."""
     global _round_every_device
-    info = mem_tracker._WeakRefInfo
+    info = tracker.storage_record()
     original = info._calculate_mem_consumed
 
     def rounded(self: Any) -> int:
@@ -204,8 +146,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes held by these tensors' storages on this rank, each storage once."""
     seen: dict[int, int] = {}
     for value in tensors:
-        if hasattr(value, "to_local"):  # a sharded DTensor (FSDP): this rank's shard
-            value = value.to_local()
+        to_local = getattr(value, "to_local", None)
+        if to_local is not None:  # a sharded DTensor (FSDP): this rank's shard
+            value = to_local()
         # Tensor subclasses (torchao's 8-bit state) keep their bytes in inner tensors.
         for storage in get_untyped_storages(value):
             key = storage._cdata  # the StorageImpl: one per storage, fake ones too
@@ -229,17 +172,20 @@ def fold(by_type: Mapping[Any, int], persistent_optim: int) -> dict[str, int]:
     ``MemTracker`` files the optimizer step's temporaries under optimizer state while
     ``step()`` runs; only ``persistent_optim`` bytes (the state that outlives the step) stay
     there, the rest goes to *other* with buffers and backward temporaries.
+
+    Keys are ``MemTracker``'s reference types, a ``str`` enum: each equals (and hashes as) its
+    value, the name looked up here (``tracker.SNAPSHOT_KEYS``, checked at start-up).
     """
-    optim_total = by_type.get(_MemRefType.OPT, 0)
+    optim_total = by_type.get("Optstate", 0)
     optim = min(persistent_optim, optim_total)
     return {
-        "param": by_type.get(_MemRefType.PARAM, 0),
-        "grad": by_type.get(_MemRefType.GRAD, 0),
+        "param": by_type.get("Parameter", 0),
+        "grad": by_type.get("Gradient", 0),
         "optim": optim,
-        "activation": by_type.get(_MemRefType.ACT, 0),
-        "other": by_type.get(_MemRefType.BUFFER, 0)
-        + by_type.get(_MemRefType.TEMP, 0)
-        + by_type.get(_MemRefType.OTH, 0)
+        "activation": by_type.get("Activation", 0),
+        "other": by_type.get("Buffer", 0)
+        + by_type.get("Temp", 0)
+        + by_type.get("Other", 0)
         + optim_total
         - optim,
     }
@@ -255,9 +201,9 @@ def peak_forward_bytes(
 ) -> int:
     """Peak live tensor bytes on the CPU over one no-grad ``forward()`` of ``model`` on
     ``batch``, model and batch included (what an inference batch costs)."""
-    tracker = PeakTracker()
-    tracker.track_external(model, *batch.values())
-    with tracker, torch.no_grad():
+    peak = PeakTracker()
+    peak.track_external(model, *batch.values())
+    with peak, torch.no_grad():
         forward()
     cpu = torch.device("cpu")
-    return int(on_device(tracker.get_tracker_snapshot("peak"), cpu).get("Total", 0))
+    return int(on_device(peak.get_tracker_snapshot("peak"), cpu).get(TOTAL, 0))

@@ -5,7 +5,7 @@ A peak says *how much*; the timeline says *when* and *why*: activations climb th
 forward pass and fall through backward, gradients appear, the optimizer step adds temporaries,
 and under checkpointing the recomputation shows as a saw-tooth inside backward. The samples
 come from the same accounting as the peak (``MemTracker``'s running snapshot, read after each op,
-where its own peak is taken), so the timeline's highest total is the trial's
+where its own peak is taken, on whichever engine ``harness.meters.tracker`` chose), so the timeline's highest total is the trial's
 ``peak_allocated_bytes`` on CPU. On CUDA the allocator's ``memory_allocated`` and
 ``memory_reserved`` are sampled beside it (reserved - allocated = caching/fragmentation).
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from harness.meters.accounting import PeakTracker, fold, on_device
+from harness.meters.accounting import ObservingTracker, fold, on_device
 from harness.metrics import BREAKDOWN_CATEGORIES
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
@@ -27,32 +27,28 @@ MAX_SAMPLES = 20_000  # beyond this, every k-th sample is kept (and always the p
 FORMAT_VERSION = 1
 
 
-class TimelineTracker(PeakTracker):
+class TimelineTracker(ObservingTracker):
     """``PeakTracker`` that also keeps a sample of its running snapshot after every op."""
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
+    def __init__(self, device: torch.device, kind: str | None = None) -> None:
+        super().__init__(device, kind)
         self.device = device
         self.persistent_optim = 0  # the optimizer state's own bytes: the rest of OPT is "other"
         self.micro_batch = 0
         self.ops = 0
         self.rows: list[tuple[int, ...]] = []
 
-    def _update_peak_stats(self, peak_state: Any) -> None:  # after every op
-        super()._update_peak_stats(peak_state)
+    def after_op(self) -> None:
         self.ops += 1
         self.sample()
 
-    def phase(self) -> int:
-        if self._in_opt:
-            return PHASES.index("optimizer")
-        if self._mod_tracker.is_bw:
-            return PHASES.index("recompute" if self._in_ac else "backward")
-        return PHASES.index("forward")
-
     def sample(self) -> None:
-        parts = fold(on_device(self._curr_mem_snap, self.device), self.persistent_optim)
-        row = (self.phase(), self.micro_batch, *(parts[c] for c in BREAKDOWN_CATEGORIES))
+        parts = fold(on_device(self.observed.current(), self.device), self.persistent_optim)
+        row = (
+            PHASES.index(self.observed.phase()),
+            self.micro_batch,
+            *(parts[c] for c in BREAKDOWN_CATEGORIES),
+        )
         if self.device.type == "cuda":
             row += (
                 torch.cuda.memory_allocated(self.device),
