@@ -8,16 +8,20 @@ optimizer is one edit here plus its implementation.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 # The grid's axes in order: a trial is one value of each (also the config columns of a table).
 AXES = ("model_size", "batch_size", "dtype", "strategy")
 
 # The dtype axis: autocast mixed precision (fp16 adds a GradScaler).
-DTYPES = ("fp32", "bf16", "fp16")
+DType = Literal["fp32", "bf16", "fp16"]
+DTYPES: tuple[DType, ...] = get_args(DType)
 
 # Optimizers the trial builds; a spec's train.optimizer names one of SPEC_OPTIMIZERS, the
 # others come in through optimizer strategies.
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor", "adam8bit")
-SPEC_OPTIMIZERS = ("adam", "adamw", "sgd")
+SpecOptimizer = Literal["adam", "adamw", "sgd"]
+SPEC_OPTIMIZERS: tuple[SpecOptimizer, ...] = get_args(SpecOptimizer)
 # Persistent optimizer state per parameter in fp32, the textbook cross-check of a prediction
 # (sgd_momentum is sgd with a momentum buffer).
 OPTIMIZER_STATE_BYTES = {
@@ -36,7 +40,8 @@ DEFAULT_TEST_FRACTION = 0.2
 DEFAULT_FIT_MAX = {"batch_size": 4096, "seq_len": 131072}
 
 # (metric, direction) a sweep optimises when its spec names no objectives.
-DEFAULT_OBJECTIVES = (
+Direction = Literal["minimize", "maximize"]
+DEFAULT_OBJECTIVES: tuple[tuple[str, Direction], ...] = (
     ("peak_allocated_bytes", "minimize"),
     ("throughput", "maximize"),
     ("accuracy", "maximize"),

@@ -3,17 +3,20 @@
 The trial layer must run on a GPU box that has PyTorch and nothing else, so importing it, and
 running a trial with it, must load none of the sweep layer's libraries. And no module of
 ``harness`` may import itself back through others: each step of the data flow builds only on
-the steps below it (the contracts in pyproject.toml, checked by import-linter).
+the steps below it (the contracts in pyproject.toml, checked by import-linter). The types hold
+too: pyright in basic mode finds no error in ``harness`` (``[tool.pyright]`` in pyproject.toml).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import grimp
+import pytest
 
 from harness.spec import parse_spec, trial_configs
 from tests.conftest import REPO
@@ -114,3 +117,19 @@ def test_the_layering_contracts_hold():
     )
     assert done.returncode == 0, done.stdout[-3000:]
     assert "2 kept, 0 broken" in done.stdout
+
+
+def test_pyright_finds_no_type_error():
+    pyright = Path(sys.executable).parent / "pyright"
+    if not pyright.exists():
+        pytest.skip(f"pyright is not installed in {pyright.parent} (the dev extra installs it)")
+    # The configuration is pyproject.toml's; the interpreter is the one running these tests.
+    done = subprocess.run(
+        [str(pyright), "--pythonpath", sys.executable],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert re.search(r"^0 errors,", done.stdout, re.MULTILINE), done.stdout[-6000:]

@@ -16,8 +16,7 @@ unknown). Measured by ``harness.meters.contention``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 MAX_CV = 0.10  # timed steps' stdev / mean above this: too unsteady to compare
 MAX_P90_OVER_P50 = 1.25
@@ -25,7 +24,14 @@ MAX_STEAL = 0.05  # share of CPU time the hypervisor took from this VM during ti
 NOISY_MARK = "~"  # put after a throughput figure that is flagged
 
 
-def _number(row: Mapping[str, Any], key: str) -> float | None:
+class Row(Protocol):
+    """A trial's recorded figures by name, None where absent: a mapping (a ``TrialResult``'s
+    metrics) or a results-table row (a pandas Series), both read with ``get`` only."""
+
+    def get(self, key: str, /) -> Any: ...
+
+
+def _number(row: Row, key: str) -> float | None:
     value = row.get(key)
     if value is None:
         return None
@@ -36,7 +42,7 @@ def _number(row: Mapping[str, Any], key: str) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def noise_reason(row: Mapping[str, Any]) -> str | None:
+def noise_reason(row: Row) -> str | None:
     """Why this trial's throughput is too noisy to compare (one short phrase), or None."""
     reasons = []
     cv = _number(row, "step_time_cv")
@@ -64,7 +70,7 @@ def noise_reason(row: Mapping[str, Any]) -> str | None:
 TIE_MARGIN = MAX_CV
 
 
-def throughputs_tie(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+def throughputs_tie(a: Row, b: Row) -> bool:
     """Whether two trials' throughputs cannot be told apart: either is noisy (its figure is a
     moment of a busy machine, not a measurement to rank by), or they differ by less than
     ``TIE_MARGIN`` of the larger. A trial without a throughput ties with nothing."""

@@ -135,7 +135,7 @@ def memory_axis(frame: pd.DataFrame, analysis: ParetoAnalysis) -> MemoryAxis:
         where = "above" if budget > high else "below"
         edge = f"max {format_bytes(high)}" if budget > high else f"min {format_bytes(low)}"
         note = f"budget {format_bytes(budget)}: far {where} every trial ({edge}), not drawn"
-    if drawn_budget:
+    if budget and drawn_budget:
         low, high = min(low, budget), max(high, budget)
     log = high > LOG_ABOVE * low
     if log:
@@ -365,9 +365,12 @@ def pareto_figure(frame: pd.DataFrame, analysis: ParetoAnalysis, title: str) -> 
             )  # fmt: skip
         if mem.budget_drawn and analysis.budget:
             for row in range(1, 3 if strip else 2):
+                # plotly is untyped and pyright reads row/col's type off their default, "all";
+                # add_vline's docs take "None, int or 'all'".
                 figure.add_vline(
                     x=analysis.budget, line_dash="dash", line_color=BUDGET, line_width=1,
-                    row=row, col=column, name=f"budget {format_bytes(analysis.budget)}",
+                    row=row, col=column,  # pyright: ignore[reportArgumentType]
+                    name=f"budget {format_bytes(analysis.budget)}",
                     showlegend=column == 1 and row == 1,
                 )  # fmt: skip
         bottom = 2 if strip else 1

@@ -47,13 +47,18 @@ def _missing(value: Any) -> bool:
     return value is None or bool(pd.isna(value))
 
 
+def _float(value: Any) -> float | None:
+    """A cell as a float, None where it is missing (None or NaN)."""
+    return None if _missing(value) else float(value)
+
+
 def rate(row: pd.Series) -> str:
     """The trial's throughput with its unit, ``2.60k samples/s``, marked when noisy."""
-    value = row.get("throughput")
-    if _missing(value):
+    value = _float(row.get("throughput"))
+    if value is None:
         return "-"
     unit = row.get("throughput_unit")
-    text = html.escape(format_quantity(float(value), "samples/s" if _missing(unit) else str(unit)))
+    text = html.escape(format_quantity(value, "samples/s" if _missing(unit) else str(unit)))
     reason = noise_reason(row)
     if reason:
         return f"<span class='noisy' title='{html.escape(reason, quote=True)}'>{text}{NOISY_MARK}</span>"
@@ -64,10 +69,9 @@ def metric_cell(metric: str, row: pd.Series) -> str:
     """One metric of one trial, formatted with its unit (HTML)."""
     if metric == "throughput":
         return rate(row)
-    value = row.get(metric)
-    if _missing(value):
+    value = _float(row.get(metric))
+    if value is None:
         return "-"
-    value = float(value)
     if metric.endswith("_bytes"):
         return html.escape(format_bytes(value, short=True))
     if "accuracy" in metric:
@@ -150,7 +154,7 @@ def extremes(frame: pd.DataFrame) -> list[tuple[str, pd.Series]]:
         have = ok[ok[metric].notna()] if metric in ok else ok.iloc[0:0]
         if not have.empty:
             best = have[metric].astype(float)
-            found.append((role, have.loc[best.idxmax() if largest else best.idxmin()]))
+            found.append((role, have.iloc[best.argmax() if largest else best.argmin()]))
     return found
 
 
@@ -161,26 +165,25 @@ def trade(chosen: pd.Series, other: pd.Series) -> str:
         return "- (the recommendation itself)"
     gives: list[str] = []
     gains: list[str] = []
-    a, b = chosen.get("throughput"), other.get("throughput")
+    a, b = _float(chosen.get("throughput")), _float(other.get("throughput"))
     tied = throughputs_tie(chosen, other)  # a difference the noise rule cannot tell apart
-    if not (_missing(a) or _missing(b)) and float(b) > 0 and not tied:
-        ratio = float(a) / float(b)
+    if a is not None and b is not None and b > 0 and not tied:
+        ratio = a / b
         if ratio < 0.995:
             gives.append(f"{1 - ratio:.0%} of the throughput")
         elif ratio > 1.005:
             gains.append(
                 f"{ratio - 1:.0%} more throughput" if ratio < 2 else f"{ratio:.1f}x the throughput"
             )
-    a, b = chosen.get("accuracy"), other.get("accuracy")
-    if not (_missing(a) or _missing(b)):
-        difference = float(a) - float(b)
+    a, b = _float(chosen.get("accuracy")), _float(other.get("accuracy"))
+    if a is not None and b is not None:
+        difference = a - b
         if difference <= -0.0005:
             gives.append(f"{-difference:.3f} accuracy")
         elif difference >= 0.0005:
             gains.append(f"{difference:.3f} accuracy")
-    a, b = chosen.get(MEMORY), other.get(MEMORY)
-    if not (_missing(a) or _missing(b)) and float(a) != float(b):
-        a, b = float(a), float(b)
+    a, b = _float(chosen.get(MEMORY)), _float(other.get(MEMORY))
+    if a is not None and b is not None and a != b:
         if a > b:
             times = f" ({a / b:.1f}x)" if b > 0 else ""
             gives.append(f"{format_bytes(a - b, short=True)} more memory{times}")
@@ -237,7 +240,7 @@ def recommendation_section(
         ok = ok[ok[MEMORY].notna()] if MEMORY in ok else ok.iloc[0:0]
         smallest = (
             f"the smallest measured peak is {html.escape(format_bytes(ok[MEMORY].min()))} "
-            f"({html.escape(plots.config_label(ok.loc[ok[MEMORY].idxmin()]))})"
+            f"({html.escape(plots.config_label(ok.iloc[ok[MEMORY].argmin()]))})"
             if not ok.empty
             else "no trial finished ok"
         )

@@ -9,7 +9,7 @@ import math
 from harness.metrics import BREAKDOWN_CATEGORIES
 from harness.units import format_bytes, format_quantity
 
-BREAKDOWN_LABELS = dict(
+BREAKDOWN_LABELS: dict[str, str] = dict(
     zip(
         BREAKDOWN_CATEGORIES,
         ("parameters", "gradients", "optimizer state", "activations", "other"),
@@ -18,7 +18,7 @@ BREAKDOWN_LABELS = dict(
 )
 # Saturated, colour-blind-safe (Okabe-Ito) for the five categories; drawn opaque in both
 # libraries so a category looks the same over any phase band.
-BREAKDOWN_COLOURS = dict(
+BREAKDOWN_COLOURS: dict[str, str] = dict(
     zip(BREAKDOWN_CATEGORIES, ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#8C8C8C"), strict=True)
 )
 # Bands behind a memory timeline: the phase each op ran in. Pale tints, none of them a tint of

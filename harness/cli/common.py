@@ -9,14 +9,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Integral, Number
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from harness.analyse.noise import NOISY_MARK, noise_reason
+from harness.analyse.noise import NOISY_MARK, Row, noise_reason
 from harness.contract import DEFAULT_MLFLOW_URI, DEFAULT_RESULTS_DIR
 from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
 from harness.spec import SpecError
@@ -149,7 +149,7 @@ def is_missing(value: Any) -> bool:
         return False
 
 
-def cell(column: str, value: Any, row: Mapping[str, Any] | None = None) -> str:
+def cell(column: str, value: Any, row: Row | None = None) -> str:
     """``value`` of ``column`` as a table shows it, the same in every command. ``row`` (the
     whole results row, where there is one) gives throughput its unit and its noise mark."""
     if is_missing(value):
@@ -162,25 +162,28 @@ def cell(column: str, value: Any, row: Mapping[str, Any] | None = None) -> str:
         return value.strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(value, str) or not isinstance(value, Number):
         return str(value)
+    # A table's number is an int, a float or a numpy scalar: typed as the float the formatters
+    # take (``numbers.Number`` declares no arithmetic).
+    number = cast(float, value)
     if column.endswith("_bytes"):
-        return format_bytes(value, short=True)
+        return format_bytes(number, short=True)
     if column in PARAMETER_COUNTS:
-        return format_count(value)
+        return format_count(number)
     if column in COUNT_COLUMNS or isinstance(value, Integral):
-        return f"{int(value):,}"
+        return f"{int(number):,}"
     if column == "throughput":
         row = {} if row is None else row
         unit = row.get("throughput_unit")
-        text = format_quantity(value, unit if isinstance(unit, str) and unit else "samples/s")
+        text = format_quantity(number, unit if isinstance(unit, str) and unit else "samples/s")
         return text + (NOISY_MARK if noise_reason(row) else "")
     if column.endswith("_ms") or "_ms_" in column:
-        return format_quantity(value, "ms")
+        return format_quantity(number, "ms")
     if column.endswith("_s"):
-        return format_quantity(value, "s")
-    return format_quantity(value)  # accuracy, losses, ratios, fractions: three digits
+        return format_quantity(number, "s")
+    return format_quantity(number)  # accuracy, losses, ratios, fractions: three digits
 
 
-def breakdown_cell(row: Mapping[str, Any]) -> str:
+def breakdown_cell(row: Row) -> str:
     """The peak's breakdown as whole percentages of it, in ``BREAKDOWN_HEADING``'s order."""
     peak = row.get(MEMORY_METRIC)
     if is_missing(peak) or not peak:

@@ -202,7 +202,7 @@ def _probe_args(
         if vectors and name in ("weight", "bias") and len(shape) > 1:
             size = (shape[1],)
         elif vectors and name == "target":
-            size = (shape[0],)
+            size = shape[:1]
         return torch.empty(size, device="cuda", dtype=dtype)
 
     def value(argument: Any) -> Any:
@@ -424,6 +424,7 @@ def _kernel(name: str, cache: _CastCache, unclassified: set[str]) -> Callable[..
                 return op(*args, **kwargs)
             assert rule.redispatch is not None  # fp32_append_dtype
             redispatch = overload(rule.redispatch)
+            assert first is not None  # these ops (sum, softmax, cumsum, ...) take a tensor first
             out_type = torch.float32 if _eligible(first) else first.dtype
             return redispatch(*_with_defaults(op, args, kwargs), dtype=out_type)
 

@@ -115,7 +115,9 @@ def device_memory(
     """Reserved and device bytes of the replayed step on ``card``, judged against ``budget``
     (bytes the device may use in all: the card's memory or a smaller ``device_memory``)."""
     unbounded = _figures(replay(history, window, config), card, world_size, budget)
-    if unbounded.fits is False:  # the real allocator frees its cache and retries before an OOM
+    # Over the budget (fits is False only where there is one): the real allocator frees its
+    # cache and retries before an OOM.
+    if budget is not None and unbounded.fits is False:
         return capped(history, window, config, card, world_size, budget) or unbounded
     return unbounded
 

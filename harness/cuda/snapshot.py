@@ -1095,9 +1095,10 @@ def replay_report(
     recorded = recorded_run(recording, start)
 
     def step(label: str) -> ProgressCallback | None:
-        if progress is None:
+        report = progress
+        if report is None:
             return None
-        return lambda done, total: progress(label, done, total)
+        return lambda done, total: report(label, done, total)
 
     label = settings_label(recording.settings)
     base = replay(

@@ -56,9 +56,9 @@ class AllocationLog(TorchDispatchMode):
         self._original_resize = torch.UntypedStorage.resize_
         log = self
 
-        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-            result = log._original_resize(storage, size)
-            log._resized(storage)
+        def resize_(self: torch.UntypedStorage, size: int) -> Any:  # the method it replaces
+            result = log._original_resize(self, size)
+            log._resized(self)
             return result
 
         torch.UntypedStorage.resize_ = resize_  # not a dispatched op: watched here

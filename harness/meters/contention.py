@@ -83,7 +83,7 @@ def read_cpu_times(cores: list[int] | None) -> CpuTimes | None:
     names = wanted if wanted and all(name in rows for name in wanted) else ["cpu"]
     if any(name not in rows for name in names):
         return None
-    seconds = dict.fromkeys(COLUMNS, 0.0)
+    seconds: dict[str, float] = dict.fromkeys(COLUMNS, 0.0)
     try:
         for name in names:
             # Older kernels have fewer columns: the missing ones count as zero.

@@ -198,6 +198,7 @@ def raw_from_database(tracking_uri: str, experiment_id: str, parent: str | None)
     if scheme not in DATABASE_SCHEMES:
         return None
     import sqlalchemy as sa
+    from sqlalchemy.exc import SQLAlchemyError
 
     trials = (
         "SELECT r.run_uuid, r.start_time FROM runs r "
@@ -234,14 +235,14 @@ def raw_from_database(tracking_uri: str, experiment_id: str, parent: str | None)
             metrics = query(
                 f"SELECT x.run_uuid, x.key, x.value, x.is_nan FROM latest_metrics x {within}"
             )
-    except sa.exc.SQLAlchemyError:  # not MLflow's schema as this code knows it
+    except SQLAlchemyError:  # not MLflow's schema as this code knows it
         return None
     finally:
         engine.dispose()
     metrics = metrics[~metrics["key"].isin(HISTORY_METRICS)]
     metrics.loc[metrics["is_nan"].astype(bool), "value"] = float("nan")
     tags = tags[tags["key"].isin([*TAG_COLUMNS, PARENT_TAG])]
-    wide = [
+    wide: list[pd.DataFrame | pd.Series] = [
         table.pivot(index="run_uuid", columns="key", values="value")
         for table in (params, tags, metrics)
         if len(table)

@@ -97,10 +97,11 @@ def storage_for(
         if "heartbeat_stale_trial_callback" in parameters
         else "failed_trial_callback"
     )
+    stale: dict[str, Any] = {callback: on_stale}
     with warnings.catch_warnings():  # the heartbeat is "experimental" in every Optuna since 2.9
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.storages.RDBStorage(
-            url, heartbeat_interval=heartbeat_s, grace_period=grace_s, **{callback: on_stale}
+            url, heartbeat_interval=heartbeat_s, grace_period=grace_s, **stale
         )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from harness.cuda.cards import CATALOGUE, Card, card_from_mapping
 from harness.spec.errors import FieldProblem, SpecError, did_you_mean
@@ -88,7 +89,7 @@ def _find_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def format_error(source: str, error: dict[str, Any]) -> str:
+def format_error(source: str, error: ErrorDetails) -> str:
     loc = list(error["loc"])
     kind = error["type"]
     problem = (error.get("ctx") or {}).get("error")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -33,8 +33,9 @@ from harness.contract import (
     DEFAULT_RESULTS_DIR,
     DEFAULT_STORAGE,
     DEFAULT_TEST_FRACTION,
-    DTYPES,
-    SPEC_OPTIMIZERS,
+    Direction,
+    DType,
+    SpecOptimizer,
 )
 from harness.cuda.allocator import AllocatorConfig
 from harness.cuda.cards import CATALOGUE, Card
@@ -48,7 +49,7 @@ from harness.workloads import (
     is_user_code,
     resolve_knobs,
 )
-from harness.workloads.hf_presets import HF_DATASET_FORMATS
+from harness.workloads.hf_presets import HFDatasetFormat
 from harness.workloads.sizes import training_samples
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -171,13 +172,13 @@ class DataSpec(Strict):
     dataset: str = "digits"
     data_dir: str = "data"
     download: bool = False
-    test_fraction: float = Field(DEFAULT_TEST_FRACTION, gt=0, lt=1)
-    shape: list[PositiveInt] | None = Field(None, min_length=1)
-    num_classes: int | None = Field(None, ge=2)
-    num_samples: int | None = Field(None, ge=2)
+    test_fraction: float = Field(default=DEFAULT_TEST_FRACTION, gt=0, lt=1)
+    shape: list[PositiveInt] | None = Field(default=None, min_length=1)
+    num_classes: int | None = Field(default=None, ge=2)
+    num_samples: int | None = Field(default=None, ge=2)
     seq_len: PositiveInt | None = None
-    vocab_size: int | None = Field(None, ge=2)
-    format: Literal[HF_DATASET_FORMATS] | None = None
+    vocab_size: int | None = Field(default=None, ge=2)
+    format: HFDatasetFormat | None = None
     data_files: str | list[str] | None = None
     text_column: str | None = None
     image_column: str | None = None
@@ -274,19 +275,19 @@ class GridSpec(Strict):
     batch_size: Annotated[
         list[Annotated[Any, AfterValidator(_batch_entry)]], AfterValidator(_no_duplicates)
     ] = Field(min_length=1)
-    dtype: Annotated[list[Literal[DTYPES]], AfterValidator(_no_duplicates)] = Field(
-        ["fp32"], min_length=1
+    dtype: Annotated[list[DType], AfterValidator(_no_duplicates)] = Field(
+        default=["fp32"], min_length=1
     )
     strategy: Annotated[
         list[Annotated[Any, AfterValidator(_strategy_entry)]], AfterValidator(_no_duplicates)
-    ] = Field(["none"], min_length=1)
+    ] = Field(default=["none"], min_length=1)
 
 
 class OptimizerSpec(Strict):
-    name: Literal[SPEC_OPTIMIZERS] = "adam"
+    name: SpecOptimizer = "adam"
     lr: PositiveFloat = 1e-3
-    weight_decay: float = Field(0.0, ge=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
     foreach: bool = False
 
     @model_validator(mode="after")
@@ -316,9 +317,9 @@ class LoraSpec(Strict):
     """Settings of the lora/qlora strategies (their rank is the strategy's argument)."""
 
     alpha: PositiveFloat | None = None  # None: the rank (adapter scaling alpha/r = 1)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
     # Module names, or name suffixes (q_proj, mlp.fc1); None: every Linear of the repeated blocks.
-    targets: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    targets: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
     base_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: the dtype axis'
 
 
@@ -326,13 +327,14 @@ class TrainSpec(Strict):
     optimizer: OptimizerSpec = OptimizerSpec()
     lora: LoraSpec = LoraSpec()
     budget: BudgetSpec = BudgetSpec(epochs=1)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(default=0, ge=0)
 
 
 class MeasureSpec(Strict):
-    warmup_steps: int = Field(2, ge=1)  # >= 1: the optimizer state must exist before measuring
-    memory_steps: int = Field(2, ge=1)
-    timed_steps: int = Field(10, ge=1)
+    # >= 1: the optimizer state must exist before measuring.
+    warmup_steps: int = Field(default=2, ge=1)
+    memory_steps: int = Field(default=2, ge=1)
+    timed_steps: int = Field(default=10, ge=1)
     # Record the memory timeline in the (untimed) memory window: a JSON + PNG per trial.
     timeline: bool = True
     # CUDA only: record the caching allocator's history in the memory window and dump it for
@@ -342,7 +344,7 @@ class MeasureSpec(Strict):
 
 class ObjectiveSpec(Strict):
     metric: str
-    direction: Literal["minimize", "maximize"]
+    direction: Direction
 
     @field_validator("metric")
     @classmethod
@@ -356,9 +358,9 @@ class SearchSpec(Strict):
 
     method: Literal["grid", "optuna"] = "grid"
     sampler: Literal["tpe", "nsga2", "nsga3", "random"] = "tpe"
-    n_trials: int | None = Field(None, ge=1)
+    n_trials: int | None = Field(default=None, ge=1)
     objectives: list[ObjectiveSpec] = Field(
-        [ObjectiveSpec(metric=m, direction=d) for m, d in DEFAULT_OBJECTIVES], min_length=1
+        default=[ObjectiveSpec(metric=m, direction=d) for m, d in DEFAULT_OBJECTIVES], min_length=1
     )
 
     @model_validator(mode="after")
@@ -399,7 +401,7 @@ def _allocator(value: str | None) -> str | None:
 
 class LimitsSpec(Strict):
     trial_timeout: Annotated[Any, AfterValidator(_seconds)] = 600.0
-    retries: int = Field(0, ge=0, le=10)
+    retries: int = Field(default=0, ge=0, le=10)
     run_infeasible: bool = False  # run trials predicted over device_memory / host RAM anyway
 
 
@@ -411,7 +413,8 @@ class TrackingSpec(Strict):
 
 
 # ``launcher.name`` (and ``harness sweep --launcher``): who starts the sweep's workers.
-LAUNCHERS = ("local", "slurm", "ray")
+Launcher = Literal["local", "slurm", "ray"]
+LAUNCHERS: tuple[Launcher, ...] = get_args(Launcher)
 SLURM_OPTION = re.compile(r"^slurm_[a-z][a-z0-9_]*$")
 
 
@@ -454,11 +457,11 @@ class RaySpec(Strict):
     address: str | None = None  # ray.init(address=...); None: a local cluster for the sweep
     workers: PositiveInt = 1
     cpus_per_worker: PositiveFloat = 1.0
-    retries: int = Field(3, ge=0, le=100)  # restarts of a lost actor (node loss, a kill)
+    retries: int = Field(default=3, ge=0, le=100)  # restarts of a lost actor (node loss, a kill)
 
 
 class LauncherSpec(Strict):
-    name: Literal[LAUNCHERS] = "local"
+    name: Launcher = "local"
     slurm: SlurmSpec = SlurmSpec()
     ray: RaySpec = RaySpec()
 

@@ -97,10 +97,13 @@ def enable_hf_checkpointing(model: nn.Module, **options: Any) -> None:
     """A transformers model's own checkpointing, non-reentrant (transformers >= 5.23 names it
     activation checkpointing; earlier releases gradient checkpointing)."""
     kwargs = {"use_reentrant": False, **options}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    # A transformers PreTrainedModel (transformers is imported only by the trials that use it,
+    # so not named here): these methods are its own, not nn.Module's.
+    hf_model: Any = model
+    if hasattr(hf_model, "activation_checkpointing_enable"):
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class Checkpoint(Strategy):

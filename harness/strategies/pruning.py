@@ -9,6 +9,7 @@ really becomes smaller and parameters, gradients, optimizer state and activation
 from __future__ import annotations
 
 from collections import Counter
+from typing import cast
 
 import torch
 from torch import nn
@@ -64,8 +65,13 @@ class MagnitudePrune(Strategy):
         zeros = total = 0
         with torch.no_grad():
             for m in self.pruned:
-                # The effective weight, recomputed (module.weight is refreshed only by a forward).
-                weight = m.weight_orig * m.weight_mask if hasattr(m, "weight_mask") else m.weight
+                # The effective weight, recomputed (module.weight is refreshed only by a forward):
+                # torch's prune registered weight_orig (a parameter) and weight_mask (a buffer).
+                weight = (
+                    cast(torch.Tensor, m.weight_orig) * cast(torch.Tensor, m.weight_mask)
+                    if hasattr(m, "weight_mask")
+                    else m.weight
+                )
                 zeros += int((weight == 0).sum())
                 total += weight.numel()
         return {"sparsity": zeros / total}
@@ -91,7 +97,7 @@ def _slice(module: nn.Module, name: str, dim: int, index: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(new, requires_grad=old.requires_grad))
 
 
-def _shrink_outputs(layer: nn.Module, index: torch.Tensor) -> None:
+def _shrink_outputs(layer: nn.Linear | nn.Conv2d, index: torch.Tensor) -> None:
     _slice(layer, "weight", 0, index)
     _slice(layer, "bias", 0, index)
     if isinstance(layer, nn.Conv2d):
@@ -100,7 +106,7 @@ def _shrink_outputs(layer: nn.Module, index: torch.Tensor) -> None:
         layer.out_features = len(index)
 
 
-def _shrink_inputs(layer: nn.Module, index: torch.Tensor) -> None:
+def _shrink_inputs(layer: nn.Linear | nn.Conv2d, index: torch.Tensor) -> None:
     _slice(layer, "weight", 1, index)
     if isinstance(layer, nn.Conv2d):
         layer.in_channels = len(index)
@@ -108,7 +114,7 @@ def _shrink_inputs(layer: nn.Module, index: torch.Tensor) -> None:
         layer.in_features = len(index)
 
 
-def _prune_chain(layers: list[nn.Module], head: nn.Linear, amount: float) -> None:
+def _prune_chain(layers: list[nn.Linear | nn.Conv2d], head: nn.Linear, amount: float) -> None:
     """Layers run one after another (through elementwise activations and pooling only): remove
     each one's weakest output units and the matching inputs of the next layer, or of the head.
 
@@ -132,15 +138,15 @@ def _prune_gpt(model: nn.Module, amount: float) -> None:
     """Each transformer MLP's hidden units: rows of ``fc`` (and its bias), columns of ``proj``.
     The residual stream width (d_model) is shared by every block and stays as it is."""
     mlps = [
-        m
+        (fc, proj)
         for m in model.modules()
-        if isinstance(getattr(m, "fc", None), nn.Linear)
-        and isinstance(getattr(m, "proj", None), nn.Linear)
+        if isinstance(fc := getattr(m, "fc", None), nn.Linear)
+        and isinstance(proj := getattr(m, "proj", None), nn.Linear)
     ]
-    for mlp in mlps:
-        index = _keep(mlp.fc.weight, amount)
-        _shrink_outputs(mlp.fc, index)
-        _shrink_inputs(mlp.proj, index)
+    for fc, proj in mlps:
+        index = _keep(fc.weight, amount)
+        _shrink_outputs(fc, index)
+        _shrink_inputs(proj, index)
 
 
 class StructuredPrune(Strategy):
@@ -175,7 +181,8 @@ class StructuredPrune(Strategy):
             )
         if any(prune.is_pruned(m) for m in model.modules()):
             raise ValueError("prune_structured must come before prune in a combination")
-        if not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, nn.ModuleList):
             raise ValueError(
                 "prune_structured must come before strategies that wrap the model "
                 "(compile, ddp, fsdp) in a combination"
@@ -185,7 +192,10 @@ class StructuredPrune(Strategy):
             _prune_gpt(model, amount)
         else:
             kind = nn.Linear if ctx.family == "mlp" else nn.Conv2d
-            layers = [m for m in model.blocks.modules() if isinstance(m, kind)]
-            _prune_chain(layers, model.head, amount)
+            layers: list[nn.Linear | nn.Conv2d] = [
+                m for m in blocks.modules() if isinstance(m, kind)
+            ]
+            # The mlp and cnn families' head is a Linear (harness.workloads.mlp, .cnn).
+            _prune_chain(layers, cast(nn.Linear, model.head), amount)
         ctx.notes["pruned_params"] = before - sum(p.numel() for p in model.parameters())
         return model

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from harness.contract import Direction
 from harness.record.stores import prepare_store, storage_for
 from harness.spec import Spec, SpecError, grid_hash, on_hardware, points, trial_config
 from harness.sweep.claim import (
@@ -94,7 +95,7 @@ def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
     counts their points as taken and a sampler learns from them as from trials it ran. How
     many were copied."""
     import optuna
-    from optuna.distributions import CategoricalDistribution
+    from optuna.distributions import BaseDistribution, CategoricalDistribution
     from optuna.trial import TrialState
 
     replaced = superseded(study)
@@ -104,7 +105,9 @@ def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
         if "status" in t.user_attrs and not released(t, replaced)
     }
     by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
-    distributions = {axis: CategoricalDistribution(values) for axis, values in spec.axes().items()}
+    distributions: dict[str, BaseDistribution] = {
+        axis: CategoricalDistribution(values) for axis, values in spec.axes().items()
+    }
     copies = []
     for run in runs:
         key, status = run.data.tags.get("trial_key", ""), run.data.tags.get("status", "")
@@ -171,7 +174,7 @@ def planned_grid_sampler(spec: Spec) -> Any:
     return PlannedGridSampler(spec.axes(), seed=spec.train.seed)
 
 
-def create_or_load(name: str, storage: Callable[[], Any], directions: list[str]) -> Any:
+def create_or_load(name: str, storage: Callable[[], Any], directions: list[Direction]) -> Any:
     """``create_study(load_if_exists=True)``, retried: workers starting together on a new
     PostgreSQL database race to create its tables and the study (an IntegrityError for all but
     one of them), after which loading works. ``storage()`` opens the storage (an ``RDBStorage``
@@ -203,7 +206,7 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
     if fresh:
         with contextlib.suppress(KeyError):
             optuna.delete_study(study_name=name, storage=storage_for(url))
-    directions = [objective.direction for objective in spec.search.objectives]
+    directions: list[Direction] = [objective.direction for objective in spec.search.objectives]
     study = create_or_load(name, lambda: storage_for(url, **heartbeat_options()), directions)
     if "spec_hash" not in study.user_attrs:  # what swept_elsewhere compares
         study.set_user_attr("spec_hash", spec_hash(spec))

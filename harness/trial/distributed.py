@@ -24,12 +24,15 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from harness.trial.result import Status, TrialResult
+
+if TYPE_CHECKING:  # torch.distributed re-exports it without declaring it public
+    from torch.distributed.distributed_c10d import Store
 
 # How long a collective (or the store) may wait for a peer: long enough for any rank's set-up
 # to lag its peers', short of gloo's 30 minutes: a rank that hangs silently becomes a crash.
@@ -43,7 +46,7 @@ POLL_S = 0.05
 FAILURE_KEY = "failure"  # the first failing rank's number; "failure/<rank>" its report
 WRITTEN_KEY = "failure/written"  # set once the first failing rank has written the result
 
-_store: dist.Store | None = None  # the group's store, once this process joined the group
+_store: Store | None = None  # the group's store, once this process joined the group
 
 
 @dataclass(frozen=True)
@@ -264,14 +267,19 @@ def join_group(backend: str) -> None:
     The rendezvous is the one ``init_process_group`` would do itself (``env://``: torchrun's
     store), done here so the store is ours to use; the group's timeout bounds every collective.
     """
+    # Their public homes (torch.distributed re-exports them without declaring them public);
+    # imported here, where the build is known to have torch.distributed.
+    from torch.distributed.distributed_c10d import PrefixStore
+    from torch.distributed.rendezvous import rendezvous
+
     global _store
-    store, rank, size = next(dist.rendezvous("env://", timeout=GROUP_TIMEOUT))
+    store, rank, size = next(rendezvous("env://", timeout=GROUP_TIMEOUT))
     store.set_timeout(GROUP_TIMEOUT)
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore("default_pg", store),
+        store=PrefixStore("default_pg", store),
         rank=rank,
         world_size=size,
         timeout=GROUP_TIMEOUT,
     )
-    _store = dist.PrefixStore("harness", store)
+    _store = PrefixStore("harness", store)

@@ -230,7 +230,7 @@ class Predictor:
         )
         assert window.reading is not None
         reading = window.reading.metrics()
-        prediction = {"predicted_peak_bytes": reading.pop("peak_allocated_bytes")}
+        prediction: dict[str, Any] = {"predicted_peak_bytes": reading.pop("peak_allocated_bytes")}
         prediction.update({f"predicted_{key}": value for key, value in reading.items()})
         prediction["num_params"] = float(setup.num_params)
         prediction["num_params_total"] = float(setup.num_params_total)

@@ -120,7 +120,8 @@ def _eager_is_tracing(original: Any) -> Any:
 @contextlib.contextmanager
 def libraries_run_eagerly() -> Iterator[None]:
     """transformers' masks as in an eager run (see the module notes); nothing else changes."""
-    masking = sys.modules.get("transformers.masking_utils")
+    # transformers' module, loaded by the model (never imported here): untyped here.
+    masking: Any = sys.modules.get("transformers.masking_utils")
     if masking is None or not hasattr(masking, "is_tracing"):
         yield
         return

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from harness.meters import tracker
 from harness.meters.accuracy import evaluate
 from harness.meters.contention import ContentionMeter
 from harness.meters.host import peak_rss_bytes
@@ -136,8 +137,14 @@ class TrainingLoop:
             setup.optimizer,
             [t for batch in staged for t in batch.values()],
             timeline=writes and config.timeline,
-            allocator_snapshot=str(self.output_dir / SNAPSHOT_FILE) if snapshot else None,
+            allocator_snapshot=(
+                str(self.output_dir / SNAPSHOT_FILE)
+                if snapshot and self.output_dir is not None
+                else None
+            ),
         )
+        if (slower := tracker.choice().why) is not None:  # its steps here ran slower
+            self.measured.info["tracker"] = f"PyTorch's MemTracker as shipped: {slower}"
         try:
             with window:
                 synchronize(setup.device)

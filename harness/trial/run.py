@@ -168,6 +168,6 @@ def predict(config: TrialConfig, device: torch.device, measured: Measurements) -
         raise TrialFailure(Status.INFEASIBLE, reason)
 
 
-def first_line(error: BaseException) -> str:
+def first_line(error: BaseException | str) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else ""

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
 import os
 import select
 import signal
 import sys
-from typing import Any
+from typing import Any, cast
 
 POLL_S = 0.02  # without a pidfd: how often a running trial's zygote looks at it
 
@@ -114,7 +115,9 @@ def wait_for(pid: int) -> int | None:
                 return os.waitstatus_to_exitcode(status)
             watched = [sys.stdin] if exited is None else [sys.stdin, exited]
             readable, _, _ = select.select(watched, [], [], POLL_S if exited is None else None)
-            if sys.stdin in readable and not sys.stdin.buffer.peek(1):  # the launcher is gone
+            # Readable with nothing to read: the launcher is gone (stdin's buffer is a
+            # BufferedReader, typed as any binary stream).
+            if sys.stdin in readable and not cast(io.BufferedReader, sys.stdin.buffer).peek(1):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)

@@ -9,7 +9,7 @@ caught.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
@@ -122,7 +122,8 @@ PUBLISHED_PARAMS: dict[str, float] = {
 }
 
 TASKS = ("causal-lm", "sequence-classification", "image-classification")
-HF_DATASET_FORMATS = ("parquet", "json", "csv", "text")
+HFDatasetFormat = Literal["parquet", "json", "csv", "text"]
+HF_DATASET_FORMATS: tuple[HFDatasetFormat, ...] = get_args(HFDatasetFormat)
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 # Knobs the harness reads itself; every other knob of an `hf` size overrides a config attribute.
 SOURCES = ("preset", "config", "model_id")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 from torchvision import models
 
@@ -27,7 +29,14 @@ def build(data: DataInfo, depth: int = 18) -> nn.Module:
     channels = data.input_shape[0]
     if channels != 3:
         old = model.conv1
+        # A Conv2d's kernel_size, stride and padding are pairs (torch types those of every
+        # convolution as tuple[int, ...]).
         model.conv1 = nn.Conv2d(
-            channels, old.out_channels, old.kernel_size, old.stride, old.padding, bias=False
+            channels,
+            old.out_channels,
+            cast(tuple[int, int], old.kernel_size),
+            cast(tuple[int, int], old.stride),
+            cast(tuple[int, int] | str, old.padding),
+            bias=False,
         )
     return model
