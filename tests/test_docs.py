@@ -111,7 +111,7 @@ def test_results_columns_and_dtypes_are_the_documented_ones():
     listed = text[text.index("3. The remaining columns") : text.index("The per-step history")]
     documented = [c for c in re.findall(r"`([a-z_*]+)`", listed) if c != "limits.retries"]
     from harness.metrics import METRICS
-    from harness.record.results import ID_COLUMNS
+    from harness.record.columns import ID_COLUMNS
 
     rest = [c for c in frame.columns if c not in ID_COLUMNS and c not in METRICS]
     assert [c.replace("knob_width", "knob_*") for c in rest] == documented

@@ -22,6 +22,7 @@ import pandas as pd
 
 from harness.contract import DEFAULT_MLFLOW_URI
 from harness.metrics import METRICS
+from harness.record.columns import ID_COLUMNS, KNOB_PREFIX, TAGS, typed
 from harness.record.stores import quiet_mlflow
 from harness.record.tracking import (
     PARENT_TAG,
@@ -35,46 +36,10 @@ from harness.record.tracking import (
 )
 from harness.trial.config import TIMELINE_FILE
 
-# The fixed leading columns (the grid's axes and identity), then every metric of METRICS.
-ID_COLUMNS = [
-    "trial_key",
-    "status",
-    "failure_reason",
-    "model",
-    "model_size",
-    "batch_size",
-    "dtype",
-    "strategy",
-    "optimizer",
-    "dataset",
-    "device",
-    "world_size",
-    "seed",
-]
-INT_PARAMS = {
-    "batch_size",
-    "world_size",
-    "seed",
-    "warmup_steps",
-    "memory_steps",
-    "timed_steps",
-    "torch_threads",
-    "attempts",
-    "device_memory_bytes",
-}
-FLOAT_PARAMS = {"lr", "weight_decay", "momentum"}
-BOOL_PARAMS = {"foreach"}
-TAG_COLUMNS = (
-    "torch_threads",
-    "trial_key",
-    "status",
-    "failure_reason",
-    "device_name",
-    "torch_version",
-    "throughput_unit",
-    "git_commit",
-    "attempts",
-)
+INT_PARAMS = typed(int)
+FLOAT_PARAMS = typed(float)
+BOOL_PARAMS = typed(bool)
+TAG_COLUMNS = tuple(TAGS)
 
 
 HISTORY_METRICS = {"train_loss_step"}  # per-step histories: read them with MlflowClient
@@ -296,9 +261,9 @@ def tidy(frame: pd.DataFrame) -> pd.DataFrame:
         if column not in frame:
             frame[column] = pd.NA
     for column in frame.columns:
-        if column in INT_PARAMS or column.startswith("knob_"):
+        if column in INT_PARAMS or column.startswith(KNOB_PREFIX):
             numeric = pd.to_numeric(frame[column], errors="coerce")
-            if column.startswith("knob_"):
+            if column.startswith(KNOB_PREFIX):
                 if (frame[column].notna() & numeric.isna()).any():
                     continue  # a non-numeric knob (a name, a path) stays text
                 if not (numeric.dropna() % 1 == 0).all():

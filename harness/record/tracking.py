@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from harness.contract import DEFAULT_MLFLOW_URI
+from harness.record.columns import KNOB_PREFIX, PARAMS
 from harness.record.store_checks import require_tracking_store
 from harness.record.stores import initialise_mlflow_store, prepare_store, quiet_mlflow, redact
 from harness.trial.config import TrialConfig
@@ -191,7 +192,8 @@ def trial_params(config: TrialConfig, result: TrialResult) -> dict[str, str]:
         "timed_steps": config.timed_steps,
         "device_memory_bytes": config.device_memory_bytes or "",
     }
-    params.update({f"knob_{name}": value for name, value in config.model_knobs.items()})
+    assert params.keys() == PARAMS.keys(), "record/columns.py lists the params a trial records"
+    params.update({f"{KNOB_PREFIX}{name}": value for name, value in config.model_knobs.items()})
     return {key: str(value) for key, value in params.items()}
 
 
