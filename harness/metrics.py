@@ -1,9 +1,43 @@
-"""The canonical metric names: one list that the trial, MLflow, the results
-table, objective validation and the README all agree on. Standard library only."""
+"""The canonical metrics: one registry (name, unit, which way is better, meaning) that the
+trial, MLflow, the results table, objective validation, every table and picture and the README
+all agree on, and the one formatter that shows a number in its unit. Standard library only."""
 
 from __future__ import annotations
 
-METRICS: dict[str, str] = {
+from dataclasses import dataclass
+from typing import Literal
+
+from harness.units import format_bytes, format_count, format_quantity
+
+# Units. THROUGHPUT is the trial's own (samples/s or tokens/s: its throughput_unit tag).
+BYTES = "bytes"
+SECONDS = "s"
+MILLISECONDS = "ms"
+THROUGHPUT = "throughput"
+COUNT = "count"  # a whole number, shown with thousands separators
+PARAMETERS = "parameters"  # a parameter count, shown as published: 8.03 B, 41.9 M
+FRACTION = "fraction"  # 0..1
+RATIO = "ratio"  # a quotient of two figures (1.0: equal)
+CORES = "cores"
+BYTES_PER_PARAM = "B/param"
+PLAIN = ""  # a loss, a load average, epochs: a number without a unit
+
+Better = Literal["lower", "higher"] | None
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric: its ``unit`` (one of the constants above), which way is ``better`` (None:
+    neither, a figure to read), and what it means (``doc``, the README's metric table)."""
+
+    name: str
+    unit: str
+    better: Better
+    doc: str
+    title: str | None = None  # an axis title that says more than "name (unit)"
+
+
+_DOCS: dict[str, str] = {
     "peak_allocated_bytes": "bytes held by tensors at the worst moment of the memory window "
     "(CUDA: max_memory_allocated; CPU: tensor accounting)",
     "peak_reserved_bytes": "CUDA only: the caching allocator's peak reservation "
@@ -81,6 +115,125 @@ METRICS: dict[str, str] = {
     "block_linear_bytes_per_param": "lora/qlora: block_linear_weight_bytes per parameter "
     "(2 in bf16, ~0.52 in NF4)",
 }
+
+_KINDS: dict[str, tuple[str, Better]] = {
+    "peak_allocated_bytes": (BYTES, "lower"),
+    "peak_reserved_bytes": (BYTES, "lower"),
+    "peak_device_bytes": (BYTES, "lower"),
+    "peak_rss_bytes": (BYTES, "lower"),
+    "mem_param_bytes": (BYTES, "lower"),
+    "mem_grad_bytes": (BYTES, "lower"),
+    "mem_optim_bytes": (BYTES, "lower"),
+    "mem_activation_bytes": (BYTES, "lower"),
+    "mem_other_bytes": (BYTES, "lower"),
+    "num_params": (PARAMETERS, None),
+    "num_params_total": (PARAMETERS, None),
+    "throughput": (THROUGHPUT, "higher"),
+    "step_time_ms_p50": (MILLISECONDS, "lower"),
+    "step_time_ms_p90": (MILLISECONDS, "lower"),
+    "step_time_ms_p99": (MILLISECONDS, "lower"),
+    "step_time_cv": (RATIO, "lower"),
+    "timing_other_busy_cores": (CORES, None),
+    "timing_steal_fraction": (FRACTION, None),
+    "timing_free_cores": (CORES, None),
+    "timing_load_avg": (PLAIN, None),
+    "accuracy": (FRACTION, "higher"),
+    "eval_loss": (PLAIN, "lower"),
+    "train_loss": (PLAIN, "lower"),
+    "train_steps": (COUNT, None),
+    "epochs": (PLAIN, None),
+    "epoch_time_s": (SECONDS, "lower"),
+    "predicted_peak_bytes": (BYTES, None),
+    "prediction_ratio": (RATIO, None),
+    "predicted_reserved_bytes": (BYTES, None),
+    "predicted_device_bytes": (BYTES, None),
+    "reserved_prediction_ratio": (RATIO, None),
+    "device_prediction_ratio": (RATIO, None),
+    "estimate_time_s": (SECONDS, "lower"),
+    "setup_time_s": (SECONDS, "lower"),
+    "train_time_s": (SECONDS, "lower"),
+    "eval_time_s": (SECONDS, "lower"),
+    "memory_step_time_ms": (MILLISECONDS, "lower"),
+    "sparsity": (FRACTION, None),
+    "float_linear_weight_bytes": (BYTES, "lower"),
+    "int8_linear_weight_bytes": (BYTES, "lower"),
+    "float_peak_inference_bytes": (BYTES, "lower"),
+    "int8_peak_inference_bytes": (BYTES, "lower"),
+    "int8_accuracy": (FRACTION, "higher"),
+    "compile_time_s": (SECONDS, "lower"),
+    "base_weight_bytes": (BYTES, "lower"),
+    "block_linear_weight_bytes": (BYTES, "lower"),
+    "block_linear_bytes_per_param": (BYTES_PER_PARAM, "lower"),
+}
+assert _KINDS.keys() == _DOCS.keys(), "every metric has a unit and a meaning"
+_TITLES = {"accuracy": "held-out accuracy (fraction correct)"}
+METRICS: dict[str, Metric] = {
+    name: Metric(name, *_KINDS[name], doc, _TITLES.get(name)) for name, doc in _DOCS.items()
+}
+
+# Columns of tables that are not metrics (the grid, the estimate's and fit's own figures), by
+# unit where the name does not say it.
+COUNT_COLUMNS = {
+    "attempts",
+    "world_size",
+    "batch_size",
+    "seed",
+    "torch_threads",
+    "warmup_steps",
+    "memory_steps",
+    "timed_steps",
+    "trials",
+    "feasible",
+    "front_size",
+}
+
+
+def unit_of(column: str) -> str | None:
+    """A column's unit: the registry's for a metric, else what its name says (``*_bytes``,
+    ``*_ms``, ``*_s``, a count); None when nothing says."""
+    if column in METRICS:
+        return METRICS[column].unit
+    if column in COUNT_COLUMNS:
+        return COUNT
+    if column.endswith("_bytes"):
+        return BYTES
+    if column.endswith("_ms") or "_ms_" in column:
+        return MILLISECONDS
+    if column.endswith("_s") or column.endswith("_seconds"):
+        return SECONDS
+    return None
+
+
+def format_metric(column: str, value: float, throughput_unit: str | None = None) -> str:
+    """A number as every table and report shows it, in its column's unit: bytes with a binary
+    unit, parameter counts as published, counts whole, times in ms or s, throughput in the
+    trial's unit (``throughput_unit``; samples/s when unknown), the rest to three digits."""
+    unit = unit_of(column)
+    if unit == BYTES:
+        return format_bytes(value, short=True)
+    if unit == PARAMETERS:
+        return format_count(value)
+    if unit == COUNT:
+        return f"{int(value):,}"
+    if unit == THROUGHPUT:
+        return format_quantity(value, throughput_unit or "samples/s")
+    if unit in (MILLISECONDS, SECONDS):
+        return format_quantity(value, unit)
+    return format_quantity(value)  # accuracy, losses, ratios, fractions, cores: three digits
+
+
+def axis_label(metric: str, throughput_unit: str | None = None) -> str:
+    """An axis title with its unit, e.g. ``throughput (samples/s)``, ``peak_allocated_bytes
+    (bytes)``, ``accuracy (fraction)``; the bare name where there is no unit."""
+    if metric in METRICS and METRICS[metric].title:
+        return str(METRICS[metric].title)
+    unit = unit_of(metric)
+    if unit == THROUGHPUT:
+        return f"{metric} ({throughput_unit or 'samples/s'})"
+    if unit in (None, PLAIN, COUNT):
+        return metric
+    return f"{metric} ({unit})"
+
 
 # The breakdown at the peak: five categories that add up to peak_allocated_bytes, in stacking
 # order. The memory meter, the timeline, the tables and every plot use these names (their

@@ -35,7 +35,7 @@ from harness.analyse.style import (
     rate_label,
 )
 from harness.contract import AXES
-from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
+from harness.metrics import BREAKDOWN_CATEGORIES, axis_label, breakdown_metric
 from harness.units import format_bytes, format_quantity
 
 # The breakdown's metrics in stacking order, and their category.
@@ -89,14 +89,7 @@ def throughput_unit(frame: pd.DataFrame) -> str:
 
 def metric_label(metric: str, frame: pd.DataFrame) -> str:
     """An objective's axis title with its unit, e.g. ``throughput (samples/s)``."""
-    if metric == "throughput":
-        return f"throughput ({throughput_unit(frame)})"
-    if metric == "accuracy":
-        return "held-out accuracy (fraction correct)"
-    for suffix, unit in (("_bytes", "bytes"), ("_ms", "ms"), ("_s", "s")):
-        if metric.endswith(suffix) or f"{suffix}_" in metric:
-            return f"{metric} ({unit})"
-    return metric
+    return axis_label(metric, throughput_unit(frame))
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from harness.analyse.noise import NOISY_MARK, noise_reason, throughputs_tie
 from harness.analyse.pareto import MEMORY, Objective, ParetoAnalysis, rank_fits, unusable
 from harness.analyse.style import BREAKDOWN_LABELS
 from harness.contract import AXES
+from harness.metrics import format_metric
 from harness.record.results import ResultsError, Sweep, trial_timeline
-from harness.units import format_bytes, format_quantity
+from harness.units import format_bytes
 
 REPORT_TIMELINES = 8  # most Pareto-front trials whose timelines the report shows
 MLFLOW_UI = "http://127.0.0.1:5000"  # what `make ui` serves; write_report(mlflow_ui=...)
@@ -58,7 +59,7 @@ def rate(row: pd.Series) -> str:
     if value is None:
         return "-"
     unit = row.get("throughput_unit")
-    text = html.escape(format_quantity(value, "samples/s" if _missing(unit) else str(unit)))
+    text = html.escape(format_metric("throughput", value, None if _missing(unit) else str(unit)))
     reason = noise_reason(row)
     if reason:
         return f"<span class='noisy' title='{html.escape(reason, quote=True)}'>{text}{NOISY_MARK}</span>"
@@ -72,15 +73,7 @@ def metric_cell(metric: str, row: pd.Series) -> str:
     value = _float(row.get(metric))
     if value is None:
         return "-"
-    if metric.endswith("_bytes"):
-        return html.escape(format_bytes(value, short=True))
-    if "accuracy" in metric:
-        return f"{value:.3f}"
-    if metric.endswith("_ms") or "_ms_" in metric:
-        return html.escape(format_quantity(value, "ms"))
-    if metric.endswith("_s"):
-        return html.escape(format_quantity(value, "s"))
-    return html.escape(format_quantity(value))
+    return html.escape(format_metric(metric, value))
 
 
 def run_url(mlflow_ui: str, experiment_id: str, run_id: str) -> str:

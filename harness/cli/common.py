@@ -18,9 +18,8 @@ from rich.table import Table
 
 from harness.analyse.noise import NOISY_MARK, Row, noise_reason
 from harness.contract import DEFAULT_MLFLOW_URI, DEFAULT_RESULTS_DIR
-from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
+from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric, format_metric, unit_of
 from harness.spec import SpecError
-from harness.units import format_bytes, format_count, format_quantity
 
 
 def make_console() -> Console:
@@ -109,24 +108,8 @@ def output_dir(sweep: Any, out_dir: Path | None) -> Path:
     return out_dir or Path(DEFAULT_RESULTS_DIR) / sweep.experiment
 
 
-# How each column reads in a terminal table (CSV, JSON and Parquet keep raw numbers): bytes with
-# a binary unit, times in ms or s, throughput in its own unit, ratios to three digits, counts as
-# integers. One rule for every command, decided by the column's name.
-COUNT_COLUMNS = {
-    "train_steps",
-    "attempts",
-    "world_size",
-    "batch_size",
-    "seed",
-    "torch_threads",
-    "warmup_steps",
-    "memory_steps",
-    "timed_steps",
-    "trials",
-    "feasible",
-    "front_size",
-}
-PARAMETER_COUNTS = {"num_params", "num_params_total"}  # as published: 8.03 B, 41.9 M
+# How each column reads in a terminal table (CSV, JSON and Parquet keep raw numbers): in its
+# unit, by the one formatter every command and the report share (harness.metrics.format_metric).
 SHORT_KEY = 8  # characters of a trial_key in a table: enough to name it (harness timeline)
 MEMORY_METRIC = "peak_allocated_bytes"
 BREAKDOWN = "breakdown"  # a column of the terminal tables, computed from the mem_*_bytes
@@ -165,22 +148,14 @@ def cell(column: str, value: Any, row: Row | None = None) -> str:
     # A table's number is an int, a float or a numpy scalar: typed as the float the formatters
     # take (``numbers.Number`` declares no arithmetic).
     number = cast(float, value)
-    if column.endswith("_bytes"):
-        return format_bytes(number, short=True)
-    if column in PARAMETER_COUNTS:
-        return format_count(number)
-    if column in COUNT_COLUMNS or isinstance(value, Integral):
+    if unit_of(column) is None and isinstance(value, Integral):
         return f"{int(number):,}"
     if column == "throughput":
         row = {} if row is None else row
         unit = row.get("throughput_unit")
-        text = format_quantity(number, unit if isinstance(unit, str) and unit else "samples/s")
+        text = format_metric(column, number, unit if isinstance(unit, str) and unit else None)
         return text + (NOISY_MARK if noise_reason(row) else "")
-    if column.endswith("_ms") or "_ms_" in column:
-        return format_quantity(number, "ms")
-    if column.endswith("_s"):
-        return format_quantity(number, "s")
-    return format_quantity(number)  # accuracy, losses, ratios, fractions: three digits
+    return format_metric(column, number)
 
 
 def breakdown_cell(row: Row) -> str:
