@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.figures import Figure, at_most
-from harness.analyse.pareto import DEFAULT_OBJECTIVES, analyse, feasible, non_dominated
+from harness.analyse.pareto import analyse, feasible, non_dominated
+from harness.metrics import DEFAULT_OBJECTIVES
 from harness.record.tracking import Tracker
 from harness.results import load
 from harness.trial.config import TrialConfig

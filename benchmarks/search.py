@@ -25,7 +25,8 @@ import pandas as pd
 import yaml
 
 from benchmarks.figures import Figure, at_most
-from harness.analyse.pareto import DEFAULT_OBJECTIVES, bounds, feasible, hypervolume, normalise
+from harness.analyse.pareto import bounds, feasible, hypervolume, normalise
+from harness.metrics import DEFAULT_OBJECTIVES
 from harness.spec import Spec, parse_spec
 from harness.sweep import plan
 from harness.trial.result import Status, TrialResult

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from harness import contract
+from harness.contract import Direction
 from harness.units import format_bytes, format_count, format_quantity
 
 # Units. THROUGHPUT is the trial's own (samples/s or tokens/s: its throughput_unit tag).
@@ -244,3 +246,50 @@ BREAKDOWN_CATEGORIES = ("param", "grad", "optim", "activation", "other")
 def breakdown_metric(category: str) -> str:
     """The metric holding a category's bytes at the peak, e.g. ``mem_param_bytes``."""
     return f"mem_{category}_bytes"
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A metric to optimise and which way: the one type a spec's ``search.objectives``, the
+    sweep's record, ``--objectives`` and the Pareto analysis share. Written as text in one
+    form, ``metric:min`` / ``metric:max`` (``str``, ``parse_objectives``)."""
+
+    metric: str
+    direction: Direction
+
+    @property
+    def maximise(self) -> bool:
+        return self.direction == "maximize"
+
+    def __str__(self) -> str:
+        return f"{self.metric}:{'max' if self.maximise else 'min'}"
+
+
+# What a sweep optimises when its spec names no objectives (``harness.contract``).
+DEFAULT_OBJECTIVES = tuple(Objective(metric, way) for metric, way in contract.DEFAULT_OBJECTIVES)
+DIRECTION_WORDS: dict[str, Direction] = {
+    "min": "minimize",
+    "minimize": "minimize",
+    "max": "maximize",
+    "maximize": "maximize",
+}
+
+
+def parse_objectives(text: str) -> list[Objective]:
+    """``peak_allocated_bytes:min,throughput:max`` -> objectives; ``ValueError`` says what is
+    wrong (an unknown metric, a direction other than min/max)."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        metric, _, direction = item.partition(":")
+        if metric not in METRICS:
+            raise ValueError(f"unknown metric {metric!r} (allowed: {', '.join(METRICS)})")
+        if direction not in DIRECTION_WORDS:
+            better = METRICS[metric].better
+            hint = {"lower": f"{metric}:min", "higher": f"{metric}:max"}.get(
+                better or "", f"{metric}:min or {metric}:max"
+            )
+            raise ValueError(f"{item!r}: give a direction, e.g. {hint}")
+        out.append(Objective(metric, DIRECTION_WORDS[direction]))
+    if not out:
+        raise ValueError("name at least one objective, e.g. peak_allocated_bytes:min")
+    return out

@@ -9,7 +9,8 @@
     analysis = analyse(frame, by="dtype", budget=16 * 2**30)
 """
 
-from harness.analyse.pareto import Objective, ParetoAnalysis, analyse
+from harness.analyse.pareto import ParetoAnalysis, analyse
+from harness.metrics import Objective
 from harness.record.results import ResultsError, Sweep, load, load_sweep
 
 __all__ = ["Objective", "ParetoAnalysis", "ResultsError", "Sweep", "analyse", "load", "load_sweep"]

@@ -18,11 +18,8 @@ import pytest
 from harness.analyse import plots
 from harness.analyse.noise import NOISY_MARK, TIE_MARGIN, throughputs_tie
 from harness.analyse.pareto import (
-    DEFAULT_OBJECTIVES,
-    Objective,
     analyse,
     gives_up,
-    parse_objectives,
     rank_fits,
     rank_within_noise,
     recommend,
@@ -31,6 +28,7 @@ from harness.analyse.pareto import (
 )
 from harness.analyse.report import write_report
 from harness.cli.common import noise_footnote
+from harness.metrics import DEFAULT_OBJECTIVES, Objective, parse_objectives
 from harness.record.results import load_sweep
 from harness.record.tracking import Tracker
 from harness.spec import parse_spec, trial_configs

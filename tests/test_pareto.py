@@ -12,15 +12,14 @@ import pytest
 from harness.analyse import plots, style, timelines
 from harness.analyse.noise import NOISY_MARK
 from harness.analyse.pareto import (
-    Objective,
     analyse,
     dominated_share,
     gives_up,
     hypervolume,
-    parse_objectives,
     recommend,
 )
 from harness.analyse.report import write_report
+from harness.metrics import Objective, parse_objectives
 from harness.record.results import Sweep
 
 MIN_MIN = [Objective("peak_allocated_bytes", "minimize"), Objective("step_time_ms_p50", "minimize")]

@@ -22,49 +22,13 @@ import moocore
 import numpy as np
 import pandas as pd
 
-from harness import contract
 from harness.analyse.noise import TIE_MARGIN, noise_reason, throughputs_tie
 from harness.contract import AXES
-from harness.metrics import METRICS
+from harness.metrics import DEFAULT_OBJECTIVES, Objective
 from harness.units import format_bytes
 
 REFERENCE = 1.1  # normalised reference point, per objective
 MEMORY = "peak_allocated_bytes"
-
-
-@dataclass(frozen=True)
-class Objective:
-    metric: str
-    direction: str  # "minimize" | "maximize"
-
-    @property
-    def maximise(self) -> bool:
-        return self.direction == "maximize"
-
-    def __str__(self) -> str:
-        return f"{self.metric}:{'max' if self.maximise else 'min'}"
-
-
-# What a sweep optimises when its spec names no objectives (``harness.contract``).
-DEFAULT_OBJECTIVES = tuple(Objective(metric, way) for metric, way in contract.DEFAULT_OBJECTIVES)
-
-
-def parse_objectives(text: str) -> list[Objective]:
-    """``peak_allocated_bytes:min,throughput:max`` -> objectives; ``ValueError`` says what is
-    wrong (an unknown metric, a direction other than min/max)."""
-    out = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        metric, _, direction = item.partition(":")
-        if metric not in METRICS:
-            raise ValueError(f"unknown metric {metric!r} (allowed: {', '.join(METRICS)})")
-        words = {"min": "minimize", "minimize": "minimize", "max": "maximize"}
-        words["maximize"] = "maximize"
-        if direction not in words:
-            raise ValueError(f"{item!r}: give a direction, e.g. {metric}:min or {metric}:max")
-        out.append(Objective(metric, words[direction]))
-    if not out:
-        raise ValueError("name at least one objective, e.g. peak_allocated_bytes:min")
-    return out
 
 
 def feasible(frame: pd.DataFrame, objectives: list[Objective], budget: float | None) -> pd.Series:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from harness.analyse.pareto import MEMORY, Objective, ParetoAnalysis, non_dominated, unusable
+from harness.analyse.pareto import MEMORY, ParetoAnalysis, non_dominated, unusable
 from harness.analyse.style import (
     BREAKDOWN_COLOURS,
     BREAKDOWN_LABELS,
@@ -35,7 +35,7 @@ from harness.analyse.style import (
     rate_label,
 )
 from harness.contract import AXES
-from harness.metrics import BREAKDOWN_CATEGORIES, axis_label, breakdown_metric
+from harness.metrics import BREAKDOWN_CATEGORIES, Objective, axis_label, breakdown_metric
 from harness.units import format_bytes, format_quantity
 
 # The breakdown's metrics in stacking order, and their category.

@@ -17,10 +17,10 @@ import pandas as pd
 
 from harness.analyse import plots, timelines
 from harness.analyse.noise import NOISY_MARK, noise_reason, throughputs_tie
-from harness.analyse.pareto import MEMORY, Objective, ParetoAnalysis, rank_fits, unusable
+from harness.analyse.pareto import MEMORY, ParetoAnalysis, rank_fits, unusable
 from harness.analyse.style import BREAKDOWN_LABELS
 from harness.contract import AXES
-from harness.metrics import format_metric
+from harness.metrics import Objective, format_metric
 from harness.record.results import ResultsError, Sweep, trial_timeline
 from harness.units import format_bytes
 

@@ -15,15 +15,12 @@ import click
 import pandas as pd
 
 from harness.analyse.pareto import (
-    DEFAULT_OBJECTIVES,
     MEMORY,
-    Objective,
     ParetoAnalysis,
     Ranking,
     analyse,
     gives_up,
     group_column,
-    parse_objectives,
     rank_fits,
     unusable,
 )
@@ -39,6 +36,7 @@ from harness.cli.common import (
     tracking_uri_option,
 )
 from harness.contract import AXES
+from harness.metrics import DEFAULT_OBJECTIVES, Objective, parse_objectives
 from harness.record.results import ResultsError, Sweep, find_trial, trial_timeline
 from harness.record.tracking import publish
 from harness.units import format_bytes, parse_bytes

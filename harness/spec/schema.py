@@ -39,7 +39,7 @@ from harness.contract import (
 )
 from harness.cuda.allocator import AllocatorConfig
 from harness.cuda.cards import CATALOGUE, Card
-from harness.metrics import METRICS
+from harness.metrics import METRICS, Objective
 from harness.spec.errors import FieldProblem, did_you_mean, require_known
 from harness.units import parse_bytes, parse_seconds
 from harness.workloads import (
@@ -343,8 +343,14 @@ class MeasureSpec(Strict):
 
 
 class ObjectiveSpec(Strict):
+    """How a spec writes an objective (validated); ``objective()`` is the one type the rest
+    of harness uses."""
+
     metric: str
     direction: Direction
+
+    def objective(self) -> Objective:
+        return Objective(self.metric, self.direction)
 
     @field_validator("metric")
     @classmethod

@@ -93,10 +93,7 @@ def sweep_params(spec: Spec) -> dict[str, str]:
         "device_memory_bytes": str(spec.memory_budget or ""),
         "search_method": spec.search.method,
         # What `harness pareto` compares by default, e.g. "peak_allocated_bytes:min,throughput:max".
-        "objectives": ",".join(
-            f"{o.metric}:{'max' if o.direction == 'maximize' else 'min'}"
-            for o in spec.search.objectives
-        ),
+        "objectives": ",".join(str(o.objective()) for o in spec.search.objectives),
     }
 
 
