@@ -63,11 +63,16 @@ def format_bytes(num: float | None, short: bool = False) -> str:
     if num is None or num != num:  # None or NaN
         return "-"
     value = float(num)
+    # A value that would print as 1024 of a unit is shown as 1 of the next.
+    limit = 1023.5 if short else 1024
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+        if abs(value) < limit or unit == "TiB":
             if unit == "B":
                 return f"{value:.0f} {unit}"
-            return f"{value:.3g} {unit}" if short else f"{value:.2f} {unit}"
+            if not short:
+                return f"{value:.2f} {unit}"
+            # Three significant digits, but never in exponent form (1010 KiB, not 1.01e+03).
+            return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

@@ -42,6 +42,10 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3 * 2**30) == "3.00 GiB"
     assert format_bytes(None) == "-"
+    # short: three significant digits, never an exponent (1,010 KiB is below 1 MiB)
+    assert format_bytes(1.5 * 2**20, short=True) == "1.5 MiB"
+    assert format_bytes(123.4 * 2**30, short=True) == "123 GiB"
+    assert format_bytes(1010 * 1024, short=True) == "1010 KiB"
 
 
 def test_one_number_format_with_units_and_prefixes():
