@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from harness.cli.common import emit
+from harness.cli.common import emit, format_option
 
 
 @click.command()
@@ -17,7 +17,7 @@ from harness.cli.common import emit
     default=None,
     help="Also list the cards of this YAML file (see docs/cards.md).",
 )
-@click.option("--format", "fmt", type=click.Choice(("table", "csv", "json")), default="table")
+@format_option
 def cards(cards_file: Path | None, fmt: str) -> None:
     """List the cards `--card` and the spec's `card` accept: memory as PyTorch sees it, compute
     capability, dense peaks, bandwidth, the CUDA context assumed, and where each number is from."""

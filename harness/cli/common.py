@@ -60,6 +60,17 @@ class SpecAwareGroup(click.Group):
             ctx.exit(2)
 
 
+def format_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--format table|csv|json`` (into ``fmt``): a table for people, raw numbers for tools."""
+    return click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(("table", "csv", "json")),
+        default="table",
+        show_default=True,
+    )(command)
+
+
 def tracking_uri_option(command: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--tracking-uri", default=DEFAULT_MLFLOW_URI, show_default=True)(command)
 

@@ -9,7 +9,14 @@ from typing import Any
 
 import click
 
-from harness.cli.common import card_options, emit, make_console, prediction_target, print_table
+from harness.cli.common import (
+    card_options,
+    emit,
+    format_option,
+    make_console,
+    prediction_target,
+    print_table,
+)
 from harness.spec import SpecError, load_spec, with_card
 from harness.units import format_bytes, parse_bytes
 
@@ -70,7 +77,7 @@ def cell(row: Any, axis: str) -> str:
     help="The largest value to try (default 4096 for the batch, also at most the dataset's "
     "training split; 131072 for seq_len).",
 )
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table")
+@format_option
 @click.option(
     "--device",
     type=click.Choice(["auto", "cpu", "cuda"]),

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from harness.cli.common import card_options, emit, prediction_target
+from harness.cli.common import card_options, emit, format_option, prediction_target
 from harness.spec import load_spec, points, with_card
 from harness.units import format_bytes
 
@@ -48,13 +48,7 @@ def validate(specs: tuple[Path, ...]) -> None:
 
 @click.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(("table", "csv", "json")),
-    default="table",
-    show_default=True,
-)
+@format_option
 @click.option(
     "--device",
     type=click.Choice(("auto", "cpu", "cuda")),

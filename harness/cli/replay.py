@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from harness.cli.common import OneLineError, emit
+from harness.cli.common import OneLineError, emit, format_option
 from harness.units import format_bytes
 
 PROGRESS_AFTER_S = 1.0  # a replay that takes longer says how far it is, on stderr
@@ -63,13 +63,7 @@ class _Progress:
     metavar="N",
     help="The device whose trace to replay; default: the one with the most trace entries.",
 )
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(("table", "csv", "json")),
-    default="table",
-    show_default=True,
-)
+@format_option
 def replay(
     snapshot_path: Path, card: str | None, confs: tuple[str, ...], device: int | None, fmt: str
 ) -> None:
