@@ -823,11 +823,6 @@ class CachingAllocator:
         return self._allocated
 
     @property
-    def active_bytes(self) -> int:
-        """``active_bytes.all.current``; equal to allocated here (no record_stream events)."""
-        return self._allocated
-
-    @property
     def requested_bytes(self) -> int:
         """``requested_bytes.all.current``: the sizes asked for, before rounding."""
         return self._requested
@@ -842,12 +837,13 @@ class CachingAllocator:
         return self._peak_allocated
 
     @property
-    def peak_active_bytes(self) -> int:
-        return self._peak_allocated
-
-    @property
     def peak_reserved_bytes(self) -> int:
         return self._peak_reserved
+
+    # ``active_bytes``: allocated plus blocks freed while another stream still uses them; with
+    # no record_stream events in a replay, the same as allocated.
+    active_bytes = allocated_bytes
+    peak_active_bytes = peak_allocated_bytes
 
     @property
     def fragmentation_bytes(self) -> int:
