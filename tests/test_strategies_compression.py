@@ -91,8 +91,9 @@ def test_int8_quantization_shrinks_linear_weights(mlp_none):
     # The peak counts the weights: the float copy's peak holds at least its Linear weights.
     assert quant["float_peak_inference_bytes"] >= quant["float_linear_weight_bytes"]
     assert quant["int8_peak_inference_bytes"] >= quant["int8_linear_weight_bytes"]
-    # Training is untouched: the same metrics, the same model.
-    assert set(mlp_none) <= set(quant)
+    # Training is untouched: the same metrics, the same model. (What competed for the CPU is
+    # absent from a timed window shorter than /proc/stat's 10 ms tick, in either trial.)
+    assert {m for m in mlp_none if not m.startswith("timing_")} <= set(quant)
     assert quant["num_params"] == mlp_none["num_params"]
     assert quant["mem_param_bytes"] == mlp_none["mem_param_bytes"]
 
