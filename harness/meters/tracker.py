@@ -169,6 +169,7 @@ def _accepts(owner: Any, name: str, call: tuple[str, ...]) -> bool:
     return True
 
 
+@functools.cache  # one live object per kind serves every piece looked for on it
 def _probe(on: str) -> Any:
     """A live object to look for attributes on: ``MemTracker()`` (tracking ``_PROBE``, after a
     ``with``: some attributes are made only on entry), its snapshot (the device's part), or

@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-TOTAL = "Total"  # the snapshot's key for a device's total (``get_tracker_snapshot``'s docs)
+from harness.meters.tracker import TOTAL
 
 
 class FrozenParameters(RuntimeError):
