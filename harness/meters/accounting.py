@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from harness.meters import tracker
-from harness.meters.tracker import TOTAL, get_untyped_storages
+from harness.meters.snapshot_keys import TOTAL
+from harness.meters.tracker import get_untyped_storages
 
 __all__ = [
     "CUDA_BLOCK",
@@ -174,7 +175,7 @@ def fold(by_type: Mapping[Any, int], persistent_optim: int) -> dict[str, int]:
     there, the rest goes to *other* with buffers and backward temporaries.
 
     Keys are ``MemTracker``'s reference types, a ``str`` enum: each equals (and hashes as) its
-    value, the name looked up here (``tracker.SNAPSHOT_KEYS``, checked at start-up).
+    value, the name looked up here (``snapshot_keys.SNAPSHOT_KEYS``, checked at start-up).
     """
     optim_total = by_type.get("Optstate", 0)
     optim = min(persistent_optim, optim_total)

@@ -35,6 +35,8 @@ from typing import Any, Protocol
 
 import torch
 
+from harness.meters.snapshot_keys import SNAPSHOT_KEYS, TOTAL
+
 ENV = "HARNESS_TRACKER"
 KINDS = ("auto", "fast", "public")
 TESTED_TORCH = "2.14.1"
@@ -43,10 +45,6 @@ TOOLS = "torch.distributed._tools"
 MEM = f"{TOOLS}.mem_tracker"
 MOD = f"{TOOLS}.mod_tracker"
 COMMON = f"{TOOLS}.common_utils"
-# The names a snapshot files bytes under (MemTracker's reference types' values and its total):
-# ``accounting.fold`` reads them, both engines produce them.
-SNAPSHOT_KEYS = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
-TOTAL = "Total"
 
 
 class TrackerUnavailable(RuntimeError):

@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from harness.meters.tracker import TOTAL
+from harness.meters.snapshot_keys import TOTAL
 
 
 class FrozenParameters(RuntimeError):
