@@ -252,8 +252,12 @@ def stop_session(sid: int, grace_s: float = 5.0) -> list[psutil.Process]:
 
 
 def the_study(storage: Any) -> Any:
-    """The one study of a fresh database."""
-    summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+    """The one sweep study of a fresh database (not its workers' parent-run election)."""
+    summaries = [
+        summary
+        for summary in optuna.get_all_study_summaries(storage, include_best_trial=False)
+        if not summary.study_name.endswith(":parent")  # plan.election_name
+    ]
     if not summaries:
         return None
     return optuna.load_study(study_name=summaries[0].study_name, storage=storage)

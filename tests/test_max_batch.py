@@ -12,7 +12,8 @@ import pytest
 
 from harness.spec import SpecError, parse_spec, points, trial_configs
 from harness.spec.grid import with_max_batch
-from harness.sweep.run import max_batch_entry, trial_label
+from harness.sweep.prepare import max_batch_entry
+from harness.sweep.progress import trial_label
 from harness.trial.config import KEYED_WHEN_SET, NOT_DEFINING
 from tests.conftest import BASE_SPEC, run_cli, write_spec
 

@@ -67,7 +67,8 @@ def estimate(
     allocator's segments, its rules replayed on the step's allocations) and device (reserved +
     the CUDA context + NCCL buffers); fits is judged on the device figure."""
     from harness.sweep.estimate import EstimateError, estimate_grid
-    from harness.sweep.run import max_batch_lines, resolve_max_batch
+    from harness.sweep.prepare import resolve_max_batch
+    from harness.sweep.progress import max_batch_lines
 
     spec = with_card(load_spec(spec_path), card, str(cards_file) if cards_file else None)
     target = prediction_target(spec, device)

@@ -17,6 +17,7 @@ from harness.contract import AXES, LAUNCH_ENV, MANAGED_WORKER_ENV, STORAGE_ENV, 
 from harness.record.stores import redact
 from harness.spec import Spec, SpecError, load_spec, on_hardware, points, trial_config
 from harness.spec.schema import LAUNCHERS
+from harness.sweep.launcher import LaunchOutcome, LaunchRequest
 
 
 class RetryChoice(click.Choice):
@@ -133,7 +134,8 @@ def sweep(
         hardware = host_hardware(spec.device)
         console.print(f"hardware: {describe_hardware(hardware)} (part of each trial_key)")
         spec = on_hardware(spec, hardware)
-        from harness.sweep.run import max_batch_lines, resolve_max_batch
+        from harness.sweep.prepare import resolve_max_batch
+        from harness.sweep.progress import max_batch_lines
 
         spec = resolve_max_batch(spec)  # as the sweep does: the found batches are in the keys
         for line in max_batch_lines(spec):
@@ -149,24 +151,16 @@ def sweep(
         console.print(note, soft_wrap=True, highlight=False, markup=False)
         return
     stop_on_sigterm()
-    if remote:
-        launch_on_cluster(spec, console, wait)
-        return
+    from harness.sweep.launchers import launcher_for
+
+    chosen = launcher_for(spec.launcher.name, workers)
+    request = LaunchRequest(spec, console, fresh, n_trials, retry, workers, wait)
     try:
-        if workers > 1:
-            from harness.sweep.workers import run_with_workers
-
-            outcome = run_with_workers(spec, console, fresh, workers, retry)
-        else:
-            from harness.sweep.run import run_sweep
-
-            outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials, retry=retry)
+        outcome = chosen.launch(request)
     except KeyboardInterrupt as stop:
-        stopped(console, stop, "run the same command to resume")
-    counts = print_summary(
-        console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id
-    )
-    exit_for_failures(console, counts)
+        hint = chosen.resume_hint
+        stopped(console if hint else None, stop, hint or "")
+    report(console, outcome)
 
 
 class Terminated(KeyboardInterrupt):
@@ -245,25 +239,10 @@ def check_remote_options(
             )
 
 
-def launch_on_cluster(spec: Spec, console: Console, wait: bool) -> None:
-    """``--launcher slurm|ray``: submit, and (waiting) summarise like a local sweep."""
-    try:
-        if spec.launcher.name == "slurm":
-            from harness.sweep.slurm import launch
-
-            outcome = launch(spec, console, wait)
-        else:
-            from harness.sweep.ray_launcher import launch as launch_ray
-
-            outcome = launch_ray(spec, console)
-    except KeyboardInterrupt as stop:
-        if spec.launcher.name == "ray":  # Slurm's jobs go on: the launcher said so
-            stopped(
-                console,
-                stop,
-                "the Ray workers stop with this driver; launch again to go on",
-            )
-        sys.exit(exit_code(stop))
+def report(console: Console, outcome: LaunchOutcome) -> None:
+    """What a launch recorded, the same for every launcher: a summary per parent run (one per
+    hardware its workers ran on) and the exit status; for a launch not waited for, how to
+    follow it."""
     if not outcome.waited:
         for hint in outcome.hints:
             console.print(hint, soft_wrap=True, highlight=False, markup=False)

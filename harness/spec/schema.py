@@ -251,7 +251,7 @@ def _no_duplicates(values: list[Any]) -> list[Any]:
 
 
 # ``grid.batch_size: [max]``: the largest batch whose predicted peak fits ``device_memory``,
-# found by the sweep (``harness.sweep.run.resolve_max_batch``) for each size, dtype, strategy.
+# found by the sweep (``harness.sweep.prepare.resolve_max_batch``) for each size, dtype, strategy.
 MAX_BATCH = "max"
 
 

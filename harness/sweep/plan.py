@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -188,10 +187,38 @@ def create_or_load(name: str, storage: Callable[[], Any], directions: list[Direc
                 study_name=name, storage=storage(), directions=directions, load_if_exists=True
             )
         except SQLAlchemyError:
+            # The racer that won has committed by the time this one's commit failed, so
+            # loading works at once; a locked SQLite file waits in its own busy timeout.
             if attempt == 7:
                 raise
-            time.sleep(random.uniform(0.2, 1.0) * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+def election_name(study_name: str) -> str:
+    """The study that elects a sweep's MLflow parent run (``elect_parent``)."""
+    return f"{study_name}:parent"
+
+
+def elect_parent(spec: Spec, study: Any, candidate: str, alive: Callable[[str], bool]) -> str:
+    """The sweep's MLflow parent run, when starts race to create one: the first candidate
+    entered in the sweep's election study that is still a live run in MLflow.
+
+    Each start that found no parent creates one (``candidate``), enters it as a waiting trial
+    of the election study (point and run id in one write: Optuna numbers a study's trials
+    under a lock on the study, and a journal orders them by its log), then reads every entry:
+    all racers read the same order, so all choose the same run, without waiting or a clock.
+    Entries whose run is gone (an MLflow store emptied while the study stayed) are passed
+    over the same way by everyone. The losers delete their candidate."""
+    name = election_name(study.study_name)
+    election = create_or_load(name, lambda: storage_for(spec.tracking.storage), ["minimize"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # enqueue_trial's user_attrs are marked experimental
+        election.enqueue_trial({}, user_attrs={"run": candidate}, skip_if_exists=False)
+    for entry in sorted(election.get_trials(deepcopy=False), key=lambda t: t.number):
+        run = entry.user_attrs.get("run")
+        if run == candidate or (run and alive(run)):
+            return run
+    return candidate  # not reached: the candidate's own entry is among them
 
 
 def open_study(spec: Spec, fresh: bool = False) -> Any:
@@ -203,9 +230,10 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
     url = spec.tracking.storage
     prepare_store(url, lambda path: optuna.storages.RDBStorage(path))
     name = study_name(spec)
-    if fresh:
-        with contextlib.suppress(KeyError):
-            optuna.delete_study(study_name=name, storage=storage_for(url))
+    if fresh:  # the study and its parent-run election
+        for doomed in (name, election_name(name)):
+            with contextlib.suppress(KeyError):
+                optuna.delete_study(study_name=doomed, storage=storage_for(url))
     directions: list[Direction] = [objective.direction for objective in spec.search.objectives]
     study = create_or_load(name, lambda: storage_for(url, **heartbeat_options()), directions)
     if "spec_hash" not in study.user_attrs:  # what swept_elsewhere compares
