@@ -190,7 +190,7 @@ def test_optuna_heartbeat_keeps_a_live_trial_and_fails_a_silent_one(tmp_path, mo
     study = plan.create_or_load("hb", lambda: storage, ["minimize"])
     live, silent = plan.new_trial(study), plan.new_trial(study)
     assert claim.claim_point(study, live, "live") and claim.claim_point(study, silent, "silent")
-    assert silent.study.trials[silent.number].user_attrs[claim.OPTUNA_BEAT_ATTR] is True
+    assert silent.study.trials[silent.number].user_attrs[claim.TrialAttr.OPTUNA_BEAT] is True
     with claim.heartbeat(live):
         time.sleep(2.5)  # the database clock ticks in whole seconds: > grace_s for sure
         assert claim.fail_stale_trials(study) == 1

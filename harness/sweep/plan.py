@@ -22,7 +22,8 @@ from harness.contract import Direction
 from harness.record.stores import prepare_store, storage_for
 from harness.spec import Spec, SpecError, grid_hash, on_hardware, points, trial_config
 from harness.sweep.claim import (
-    SUPERSEDED_ATTR,
+    StudyAttr,
+    TrialAttr,
     claim_point,
     heartbeat_options,
     owner,
@@ -62,8 +63,8 @@ def swept_elsewhere(study: Any, spec: Spec) -> str | None:
         attrs = summary.user_attrs
         if summary.study_name == study.study_name or not summary.n_trials:
             continue
-        if attrs.get("spec_hash") == same_spec and attrs.get("hardware") != mine:
-            return describe_hardware(attrs.get("hardware") or {})
+        if attrs.get(StudyAttr.SPEC_HASH) == same_spec and attrs.get(StudyAttr.HARDWARE) != mine:
+            return describe_hardware(attrs.get(StudyAttr.HARDWARE) or {})
         if summary.study_name == f"{spec.experiment}-{same_spec}{suffix}":
             return "hardware an earlier harness version did not record"
     return None
@@ -77,7 +78,7 @@ def free_points(study: Any, spec: Spec, keys: list[str]) -> int:
     replaced = superseded(study)
     last = max((t.number for t in study.get_trials(deepcopy=False)), default=-1)
     replaced.update({key: last for key in keys})
-    study.set_user_attr(SUPERSEDED_ATTR, replaced)
+    study.set_user_attr(StudyAttr.SUPERSEDED, replaced)
     if spec.search.method != "grid":
         by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
         for key in keys:
@@ -99,9 +100,9 @@ def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
 
     replaced = superseded(study)
     held = {
-        t.user_attrs.get("trial_key")
+        t.user_attrs.get(TrialAttr.KEY)
         for t in study.get_trials(deepcopy=False)
-        if "status" in t.user_attrs and not released(t, replaced)
+        if TrialAttr.STATUS in t.user_attrs and not released(t, replaced)
     }
     by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
     distributions: dict[str, BaseDistribution] = {
@@ -124,10 +125,10 @@ def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
                 params=by_key[key],
                 distributions=distributions,
                 user_attrs={
-                    "trial_key": key,
-                    "status": status,
-                    "mlflow_run_id": run.info.run_id,
-                    "restored_from": "mlflow",
+                    TrialAttr.KEY: key,
+                    TrialAttr.STATUS: status,
+                    TrialAttr.RUN: run.info.run_id,
+                    TrialAttr.RESTORED_FROM: "mlflow",
                 },
                 constraints=(
                     {"memory": memory_constraint(spec, result)} if values is not None else None
@@ -236,14 +237,14 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
                 optuna.delete_study(study_name=doomed, storage=storage_for(url))
     directions: list[Direction] = [objective.direction for objective in spec.search.objectives]
     study = create_or_load(name, lambda: storage_for(url, **heartbeat_options()), directions)
-    if "spec_hash" not in study.user_attrs:  # what swept_elsewhere compares
-        study.set_user_attr("spec_hash", spec_hash(spec))
-        study.set_user_attr("hardware", spec._hardware or {})
+    if StudyAttr.SPEC_HASH not in study.user_attrs:  # what swept_elsewhere compares
+        study.set_user_attr(StudyAttr.SPEC_HASH, spec_hash(spec))
+        study.set_user_attr(StudyAttr.HARDWARE, spec._hardware or {})
     study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
     wanted = [f"{o.metric}:{o.direction}" for o in spec.search.objectives]
-    recorded = study.user_attrs.get("objectives")
+    recorded = study.user_attrs.get(StudyAttr.OBJECTIVES)
     if recorded is None:
-        study.set_user_attr("objectives", wanted)
+        study.set_user_attr(StudyAttr.OBJECTIVES, wanted)
     elif recorded != wanted:
         raise SpecError(
             f"{spec._source or '<spec>'}: search.objectives: {', '.join(wanted)} differ from "
@@ -321,8 +322,8 @@ def tell(study: Any, trial: Any, spec: Spec, result: TrialResult, run_id: str) -
     from optuna.trial import TrialState
 
     # (trial_key is already on the trial: claim_point named it; each write is a commit)
-    trial.set_user_attr("status", result.status.value)
-    trial.set_user_attr("mlflow_run_id", run_id)
+    trial.set_user_attr(TrialAttr.STATUS, result.status.value)
+    trial.set_user_attr(TrialAttr.RUN, run_id)
     values = objective_values(spec, result)
     # skip_if_finished: a trial failed meanwhile as a dead worker's (its heartbeat lapsed) is
     # recorded in MLflow all the same; the tell must not turn that into a crash of this sweep.
@@ -354,9 +355,9 @@ def active_keys(study: Any) -> set[str]:
     live = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)
     replaced = superseded(study)
     return {
-        t.user_attrs["trial_key"]
+        t.user_attrs[TrialAttr.KEY]
         for t in study.get_trials(deepcopy=False, states=live)
-        if "trial_key" in t.user_attrs and not released(t, replaced)
+        if TrialAttr.KEY in t.user_attrs and not released(t, replaced)
     }
 
 
@@ -366,7 +367,7 @@ def held_by_others(study: Any) -> bool:
 
     me, replaced = owner(), superseded(study)
     return any(
-        t.user_attrs.get("owner") not in (None, me) and not released(t, replaced)
+        t.user_attrs.get(TrialAttr.OWNER) not in (None, me) and not released(t, replaced)
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     )
 
@@ -451,9 +452,9 @@ class SearchPlan:
         earlier = [
             t
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.user_attrs.get("trial_key") == key and not released(t, replaced)
+            if t.user_attrs.get(TrialAttr.KEY) == key and not released(t, replaced)
         ]
-        trial.set_user_attr("repeat_of", key)
+        trial.set_user_attr(TrialAttr.REPEAT_OF, key)
         if not earlier:
             self.study.tell(trial, state=TrialState.FAIL)
             return

@@ -26,6 +26,7 @@ from harness.spec.grid import max_batch_key, with_max_batch
 from harness.spec.schema import MAX_BATCH
 from harness.strategies import batch_step
 from harness.sweep import claim, plan, preflight
+from harness.sweep.claim import StudyAttr
 from harness.sweep.launch import start_warm_starter
 from harness.trial.hardware import host_hardware
 from harness.trial.result import OVER_BUDGET, RETRYABLE, Status
@@ -105,11 +106,11 @@ def prepare(
     other_hardware = plan.swept_elsewhere(study, spec)
     interrupted = claim.fail_stale_trials(study)
     if launch:
-        study.set_user_attr(f"{LAUNCH_ATTR}{launch}", time.time())
+        study.set_user_attr(f"{StudyAttr.LAUNCH}{launch}", time.time())
     tracker = Tracker(
         spec.tracking.mlflow_uri, spec.experiment, results_dir / "mlartifacts" / spec.experiment
     )
-    named = None if fresh else study.user_attrs.get("mlflow_parent_run_id")
+    named = None if fresh else study.user_attrs.get(StudyAttr.PARENT)
     # The sweep is what MLflow recorded for this identity, whatever the study (lost, emptied,
     # another storage) remembers: recorded trials are never run again.
     known = None if fresh else tracker.settled_sweep(study.study_name, prefer=named)
@@ -137,7 +138,7 @@ def prepare(
             tracker.client.delete_run(parent)
             parent = elected
     if parent != named:
-        study.set_user_attr("mlflow_parent_run_id", parent)
+        study.set_user_attr(StudyAttr.PARENT, parent)
         if spec._source:
             log_spec(tracker, parent, Path(spec._source))
     retried, restored = 0, 0
@@ -156,10 +157,6 @@ def prepare(
     return SweepState(
         spec, study, tracker, parent, interrupted, retried, other_hardware, restored, study_named
     )
-
-
-# On the study: ``launch_<id>`` for each ``--launcher`` submission whose workers joined it.
-LAUNCH_ATTR = "launch_"
 
 
 def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:

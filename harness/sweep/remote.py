@@ -11,7 +11,7 @@ password in a URL would show in ``ps``), and watches the study for ``--wait``.
 
 The workers resolve their own hardware, and a trial's identity includes it, so the study they
 use is named on the nodes, not here: each submission has an id (``HARNESS_LAUNCH``) that its
-workers note on the study they join (``prepare.LAUNCH_ATTR``), and the watch finds the study by it.
+workers note on the study they join (``claim.StudyAttr.LAUNCH``), and the watch finds the study by it.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from harness.record.stores import shared_storage, storage_for
 from harness.record.tracking import Tracker
 from harness.spec import Spec, SpecError, points
 from harness.sweep import preflight
-from harness.sweep.claim import released, superseded
+from harness.sweep.claim import StudyAttr, TrialAttr, released, superseded
 from harness.sweep.launcher import LaunchOutcome
-from harness.sweep.prepare import LAUNCH_ATTR, with_tracking
+from harness.sweep.prepare import with_tracking
 from harness.sweep.workers import gpus_per_worker
 from harness.waiting import until
 
@@ -123,7 +123,7 @@ class StudyWatch:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = storage_for(spec.tracking.storage)
         self.storage = optuna.storages.RDBStorage(storage) if isinstance(storage, str) else storage
-        self.attr = f"{LAUNCH_ATTR}{launch}"
+        self.attr = f"{StudyAttr.LAUNCH}{launch}"
         self.studies: dict[str, Any] = {}
 
     def find(self) -> list[Any]:
@@ -144,20 +144,20 @@ class StudyWatch:
         for study in self.find():
             replaced = superseded(study)
             for trial in study.get_trials(deepcopy=False):
-                if "trial_key" not in trial.user_attrs or released(trial, replaced):
+                if TrialAttr.KEY not in trial.user_attrs or released(trial, replaced):
                     continue
                 if trial.state == TrialState.RUNNING:
                     running += 1
-                elif "status" in trial.user_attrs:
+                elif TrialAttr.STATUS in trial.user_attrs:
                     recorded += 1
         return recorded, running
 
     def parents(self) -> list[str]:
         """The MLflow parent runs of the studies found (one per hardware the workers had)."""
         return [
-            study.user_attrs["mlflow_parent_run_id"]
+            study.user_attrs[StudyAttr.PARENT]
             for study in self.find()
-            if "mlflow_parent_run_id" in study.user_attrs
+            if StudyAttr.PARENT in study.user_attrs
         ]
 
 
