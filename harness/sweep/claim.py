@@ -50,7 +50,11 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from optuna import Study, Trial
+    from optuna.trial import FrozenTrial
 
 # Optuna takes heartbeat_interval and grace_period in whole seconds (heartbeat_options).
 HEARTBEAT_S: float = 5
@@ -102,7 +106,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def report_stale(study: Any, trial: Any) -> None:
+def report_stale(study: Study, trial: FrozenTrial) -> None:
     """Optuna's stale-trial callback: one line naming the point whose worker went silent."""
     global _stale_reported
     _stale_reported += 1
@@ -125,7 +129,7 @@ def heartbeat_options() -> dict[str, Any]:
     }
 
 
-def optuna_beat(trial: Any) -> Callable[[], None] | None:
+def optuna_beat(trial: Trial) -> Callable[[], None] | None:
     """A call that records one Optuna heartbeat of ``trial``, or None where its storage keeps
     none (journal files, in-memory studies). Public API only: ``optuna.Trial.storage``, the
     storage's ``get_heartbeat_interval``/``record_heartbeat`` and its id lookups."""
@@ -138,7 +142,7 @@ def optuna_beat(trial: Any) -> Callable[[], None] | None:
     return lambda: storage.record_heartbeat(trial_id)
 
 
-def is_stale(trial: Any, now: float) -> bool:
+def is_stale(trial: FrozenTrial, now: float) -> bool:
     """A RUNNING trial nobody is working on any more (by the checks Optuna cannot make)."""
     attrs = trial.user_attrs
     holder = attrs.get(TrialAttr.OWNER)
@@ -161,7 +165,7 @@ def is_stale(trial: Any, now: float) -> bool:
     return beat is None or now - float(beat) > STALE_AFTER_S
 
 
-def fail_stale_trials(study: Any) -> int:
+def fail_stale_trials(study: Study) -> int:
     """Fail the RUNNING trials of dead workers, so their points run again: Optuna's own check
     of its heartbeat first (a no-op on storages without one), then ``is_stale``'s."""
     import optuna
@@ -183,13 +187,13 @@ def fail_stale_trials(study: Any) -> int:
     return len(stale) + _stale_reported - before
 
 
-def superseded(study: Any) -> dict[str, int]:
+def superseded(study: Study) -> dict[str, int]:
     """Which trials ``--retry-failed`` replaced: per point, the last trial number it replaced
     (a study attribute: a finished trial's own attributes cannot be written any more)."""
     return dict(study.user_attrs.get(StudyAttr.SUPERSEDED, {}))
 
 
-def released(trial: Any, replaced: dict[str, int]) -> bool:
+def released(trial: FrozenTrial, replaced: dict[str, int]) -> bool:
     """Whether a study trial no longer holds its point (see the module notes): a repeat of a
     taken point, abandoned at its claim, replaced by a retry (``replaced``: ``superseded``),
     or a dead worker's (failed without the status ``plan.tell`` writes first; ``stale`` on
@@ -204,7 +208,7 @@ def released(trial: Any, replaced: dict[str, int]) -> bool:
     return trial.state == TrialState.FAIL and TrialAttr.STATUS not in attrs
 
 
-def taken(study: Any, trial: Any, key: str) -> bool:
+def taken(study: Study, trial: Trial, key: str) -> bool:
     """Whether another trial already has this point (see the module notes)."""
     from optuna.trial import TrialState
 
@@ -222,7 +226,7 @@ def taken(study: Any, trial: Any, key: str) -> bool:
     return False
 
 
-def cut_off_before(study: Any, trial: Any, key: str) -> bool:
+def cut_off_before(study: Study, trial: Trial, key: str) -> bool:
     """Whether a dead worker held this point before ``trial`` (failed without a status, as
     ``fail_stale_trials`` leaves it): it may have died while recording it in MLflow."""
     from optuna.trial import TrialState
@@ -240,7 +244,7 @@ def cut_off_before(study: Any, trial: Any, key: str) -> bool:
     return False
 
 
-def claim_point(study: Any, trial: Any, key: str) -> bool:
+def claim_point(study: Study, trial: Trial, key: str) -> bool:
     """Name the point on the trial, then keep it only if nobody else has it.
 
     The first heartbeat comes before the owner and the owner before the point, so a trial
@@ -263,7 +267,7 @@ def claim_point(study: Any, trial: Any, key: str) -> bool:
 
 
 @contextlib.contextmanager
-def heartbeat(trial: Any) -> Iterator[None]:
+def heartbeat(trial: Trial) -> Iterator[None]:
     """Prove every ``HEARTBEAT_S`` that the trial's worker is alive while the block runs:
     Optuna's heartbeat where the storage keeps one, else the time as a user attribute."""
     beat = optuna_beat(trial)

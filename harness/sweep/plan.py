@@ -16,7 +16,7 @@ import math
 import random
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.contract import Direction
 from harness.record.stores import prepare_store, storage_for
@@ -34,6 +34,11 @@ from harness.trial.config import TrialConfig
 from harness.trial.hardware import describe_hardware
 from harness.trial.result import OVER_BUDGET, Status, TrialResult
 
+if TYPE_CHECKING:
+    from optuna import Study, Trial
+    from optuna.samplers import BaseSampler
+
+
 # How many times in a row a sampler may propose points already measured before one of the
 # unmeasured points is taken at random instead (small categorical spaces make samplers repeat).
 MAX_REPEATS = 20
@@ -50,7 +55,7 @@ def spec_hash(spec: Spec) -> str:
     return grid_hash(on_hardware(spec, {})) if spec._hardware else grid_hash(spec)
 
 
-def swept_elsewhere(study: Any, spec: Spec) -> str | None:
+def swept_elsewhere(study: Study, spec: Spec) -> str | None:
     """For a new sweep: the hardware an earlier sweep of this same spec ran on, if other."""
     import optuna
 
@@ -70,7 +75,7 @@ def swept_elsewhere(study: Any, spec: Spec) -> str | None:
     return None
 
 
-def free_points(study: Any, spec: Spec, keys: list[str]) -> int:
+def free_points(study: Study, spec: Spec, keys: list[str]) -> int:
     """``--retry-failed``: the trials of these points no longer hold them (``superseded``);
     Optuna search enqueues the points, so the sampler's next trials are those points again."""
     if not keys:
@@ -87,7 +92,7 @@ def free_points(study: Any, spec: Spec, keys: list[str]) -> int:
     return len(keys)
 
 
-def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
+def restore_trials(study: Study, spec: Spec, runs: list[Any]) -> int:
     """Copy into the study every trial recorded in MLflow (``runs``: the sweep's trial runs)
     that it does not hold: its storage was deleted, emptied, or is another one (``--workers``
     keeps the study in a journal file, a plain run in SQLite). The copies are finished trials
@@ -141,7 +146,7 @@ def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
     return len(copies)
 
 
-def make_sampler(spec: Spec, already: int) -> Any:
+def make_sampler(spec: Spec, already: int) -> BaseSampler:
     """The spec's sampler. Its seed moves on with the study's size, so a resumed search does
     not replay the proposals its first run already made."""
     import optuna
@@ -158,7 +163,7 @@ def make_sampler(spec: Spec, already: int) -> Any:
     return samplers[spec.search.sampler]()
 
 
-def planned_grid_sampler(spec: Spec) -> Any:
+def planned_grid_sampler(spec: Spec) -> BaseSampler:
     """A ``GridSampler`` for a sweep that enqueues every grid point itself.
 
     Optuna's ``GridSampler.after_trial`` looks for the grid id it assigns when *it* picks a
@@ -174,7 +179,7 @@ def planned_grid_sampler(spec: Spec) -> Any:
     return PlannedGridSampler(spec.axes(), seed=spec.train.seed)
 
 
-def create_or_load(name: str, storage: Callable[[], Any], directions: list[Direction]) -> Any:
+def create_or_load(name: str, storage: Callable[[], Any], directions: list[Direction]) -> Study:
     """``create_study(load_if_exists=True)``, retried: workers starting together on a new
     PostgreSQL database race to create its tables and the study (an IntegrityError for all but
     one of them), after which loading works. ``storage()`` opens the storage (an ``RDBStorage``
@@ -200,7 +205,7 @@ def election_name(study_name: str) -> str:
     return f"{study_name}:parent"
 
 
-def elect_parent(spec: Spec, study: Any, candidate: str, alive: Callable[[str], bool]) -> str:
+def elect_parent(spec: Spec, study: Study, candidate: str, alive: Callable[[str], bool]) -> str:
     """The sweep's MLflow parent run, when starts race to create one: the first candidate
     entered in the sweep's election study that is still a live run in MLflow.
 
@@ -216,13 +221,13 @@ def elect_parent(spec: Spec, study: Any, candidate: str, alive: Callable[[str], 
         warnings.simplefilter("ignore")  # enqueue_trial's user_attrs are marked experimental
         election.enqueue_trial({}, user_attrs={"run": candidate}, skip_if_exists=False)
     for entry in sorted(election.get_trials(deepcopy=False), key=lambda t: t.number):
-        run = entry.user_attrs.get("run")
+        run = str(entry.user_attrs.get("run") or "")
         if run == candidate or (run and alive(run)):
             return run
     return candidate  # not reached: the candidate's own entry is among them
 
 
-def open_study(spec: Spec, fresh: bool = False) -> Any:
+def open_study(spec: Spec, fresh: bool = False) -> Study:
     """The sweep's study, on a storage that keeps Optuna's heartbeat where it can (an RDB
     storage: ``harness.sweep.claim``)."""
     import optuna
@@ -253,7 +258,7 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
     return study
 
 
-def ask(study: Any, spec: Spec, point: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def ask(study: Study, spec: Spec, point: dict[str, Any]) -> tuple[Trial, dict[str, Any]]:
     """Start a study trial for a grid point, and return the point it really got: with other
     workers enqueueing too, ``ask`` may hand out another worker's enqueued point first."""
     study.enqueue_trial(point, skip_if_exists=False)
@@ -261,7 +266,7 @@ def ask(study: Any, spec: Spec, point: dict[str, Any]) -> tuple[Any, dict[str, A
     return trial, suggest_point(trial, spec)
 
 
-def new_trial(study: Any) -> Any:
+def new_trial(study: Study) -> Trial:
     """``study.ask()``, without Optuna's warning that its heartbeat is meant for
     ``Study.optimize``: this sweep drives ask/tell and records the heartbeat itself."""
     with warnings.catch_warnings():
@@ -317,7 +322,7 @@ def memory_constraint(spec: Spec, result: TrialResult) -> float:
     return 1.0 if over else 0.0
 
 
-def tell(study: Any, trial: Any, spec: Spec, result: TrialResult, run_id: str) -> None:
+def tell(study: Study, trial: Trial, spec: Spec, result: TrialResult, run_id: str) -> None:
     """Report the trial: its values and memory constraint, or FAIL when it has no values."""
     from optuna.trial import TrialState
 
@@ -344,11 +349,11 @@ def trials_to_run(spec: Spec, recorded: int, more: int | None) -> int:
     return max(0, min(wanted, size) - recorded)
 
 
-def suggest_point(trial: Any, spec: Spec) -> dict[str, Any]:
+def suggest_point(trial: Trial, spec: Spec) -> dict[str, Any]:
     return {axis: trial.suggest_categorical(axis, values) for axis, values in spec.axes().items()}
 
 
-def active_keys(study: Any) -> set[str]:
+def active_keys(study: Study) -> set[str]:
     """Points that are finished or being run by some worker (not abandoned, not dead)."""
     from optuna.trial import TrialState
 
@@ -361,7 +366,7 @@ def active_keys(study: Any) -> set[str]:
     }
 
 
-def held_by_others(study: Any) -> bool:
+def held_by_others(study: Study) -> bool:
     """Whether another live worker is running a point of this sweep right now."""
     from optuna.trial import TrialState
 
@@ -385,7 +390,7 @@ class SearchPlan:
     """
 
     def __init__(
-        self, study: Any, spec: Spec, recorded: set[str], target: int, shuffle: bool = False
+        self, study: Study, spec: Spec, recorded: set[str], target: int, shuffle: bool = False
     ) -> None:
         self.study, self.spec = study, spec
         self.recorded = set(recorded)
@@ -397,7 +402,7 @@ class SearchPlan:
     def taken(self) -> set[str]:
         return self.recorded | active_keys(self.study)
 
-    def __iter__(self) -> Iterator[tuple[Any, dict[str, Any], TrialConfig]]:
+    def __iter__(self) -> Iterator[tuple[Trial, dict[str, Any], TrialConfig]]:
         if self.spec.search.method == "grid":
             yield from self.grid()
             return
@@ -407,7 +412,7 @@ class SearchPlan:
                 return  # every grid point has been taken
             yield proposal
 
-    def grid(self) -> Iterator[tuple[Any, dict[str, Any], TrialConfig]]:
+    def grid(self) -> Iterator[tuple[Trial, dict[str, Any], TrialConfig]]:
         keys = list(self.by_key)
         if self.shuffle:
             start = random.Random().randrange(len(keys))
@@ -423,7 +428,7 @@ class SearchPlan:
             if claim_point(self.study, trial, config.trial_key):
                 yield trial, point, config
 
-    def propose(self) -> tuple[Any, dict[str, Any], TrialConfig] | None:
+    def propose(self) -> tuple[Trial, dict[str, Any], TrialConfig] | None:
         for _ in range(MAX_REPEATS):
             taken = self.taken()
             if not set(self.by_key) - taken:
@@ -444,7 +449,7 @@ class SearchPlan:
             return self.propose()
         return trial, point, config
 
-    def repeat(self, trial: Any, key: str) -> None:
+    def repeat(self, trial: Trial, key: str) -> None:
         """Answer a proposal of a taken point with what that point gave (if it has finished)."""
         from optuna.trial import TrialState
 

@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.record.stores import redact
 from harness.record.tracking import CANDIDATE_TAG, FRESH_TAG, STUDY_TAG, Tracker
@@ -31,6 +31,9 @@ from harness.sweep.launch import start_warm_starter
 from harness.trial.hardware import host_hardware
 from harness.trial.result import OVER_BUDGET, RETRYABLE, Status
 from harness.units import format_bytes
+
+if TYPE_CHECKING:
+    from optuna import Study
 
 
 def sweep_params(spec: Spec) -> dict[str, str]:
@@ -61,7 +64,7 @@ class SweepState:
     """What every worker of one sweep shares: the study, the MLflow parent run, the spec."""
 
     spec: Spec
-    study: Any
+    study: Study
     tracker: Tracker
     parent: str
     interrupted: int

@@ -22,7 +22,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -36,6 +36,10 @@ from harness.sweep.launcher import LaunchOutcome
 from harness.sweep.prepare import with_tracking
 from harness.sweep.workers import gpus_per_worker
 from harness.waiting import until
+
+if TYPE_CHECKING:
+    from optuna import Study
+
 
 POLL_S = 2.0
 
@@ -124,9 +128,9 @@ class StudyWatch:
         storage = storage_for(spec.tracking.storage)
         self.storage = optuna.storages.RDBStorage(storage) if isinstance(storage, str) else storage
         self.attr = f"{StudyAttr.LAUNCH}{launch}"
-        self.studies: dict[str, Any] = {}
+        self.studies: dict[str, Study] = {}
 
-    def find(self) -> list[Any]:
+    def find(self) -> list[Study]:
         import optuna
 
         for summary in optuna.get_all_study_summaries(self.storage, include_best_trial=False):
