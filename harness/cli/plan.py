@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from harness.cli.common import card_options, emit, format_option, prediction_target
-from harness.spec import load_spec, points, with_card
+from harness.spec import SweepPlan, load_spec, points, with_card
 from harness.units import format_bytes
 
 
@@ -72,11 +72,11 @@ def estimate(
 
     spec = with_card(load_spec(spec_path), card, str(cards_file) if cards_file else None)
     target = prediction_target(spec, device)
-    spec = resolve_max_batch(spec, target)  # grid.batch_size: max, for this target
-    for line in max_batch_lines(spec):
+    sweep = resolve_max_batch(SweepPlan(spec), target)  # grid.batch_size: max, for this target
+    for line in max_batch_lines(sweep):
         click.echo(line, err=True)
     try:
-        frame = estimate_grid(spec, target)
+        frame = estimate_grid(sweep, target)
     except EstimateError as error:
         raise click.ClickException(str(error)) from None
     emit(frame, fmt, lambda: show_estimate(frame, spec, target))

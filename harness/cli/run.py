@@ -15,7 +15,7 @@ from rich.markup import escape
 from harness.cli.common import HEADINGS, make_console, noise_footnote, table_text
 from harness.contract import AXES, LAUNCH_ENV, MANAGED_WORKER_ENV, STORAGE_ENV, TRACKING_ENV
 from harness.record.stores import redact
-from harness.spec import Spec, SpecError, load_spec, on_hardware, points, trial_config
+from harness.spec import Spec, SpecError, SweepPlan, load_spec, points
 from harness.spec.schema import LAUNCHERS
 from harness.sweep.launcher import LaunchOutcome, LaunchRequest
 
@@ -133,16 +133,16 @@ def sweep(
 
         hardware = host_hardware(spec.device)
         console.print(f"hardware: {describe_hardware(hardware)} (part of each trial_key)")
-        spec = on_hardware(spec, hardware)
         from harness.sweep.prepare import resolve_max_batch
         from harness.sweep.progress import max_batch_lines
 
-        spec = resolve_max_batch(spec)  # as the sweep does: the found batches are in the keys
-        for line in max_batch_lines(spec):
+        # as the sweep does: the host's hardware and the found batches are in the keys
+        sweep = resolve_max_batch(SweepPlan(spec).on_hardware(hardware))
+        for line in max_batch_lines(sweep):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
-        recorded, note = recorded_before(spec)
-        for index, point in enumerate(points(spec), start=1):
-            config = trial_config(spec, point)
+        recorded, note = recorded_before(sweep)
+        for index, point in enumerate(sweep.points, start=1):
+            config = sweep.trial_config(point)
             searched = f"max:{config.batch_size}"  # the found batch, as progress lines show it
             shown = {**point, "batch_size": searched} if config.batch_size_search else point
             status = recorded.get(config.trial_key)
@@ -188,16 +188,16 @@ def stopped(console: Console | None, stop: KeyboardInterrupt, resume: str) -> No
     sys.exit(exit_code(stop))
 
 
-def recorded_before(spec: Spec) -> tuple[dict[str, str], str]:
+def recorded_before(sweep: SweepPlan) -> tuple[dict[str, str], str]:
     """``--dry-run``: the points MLflow already holds for this sweep (``trial_key -> status``)
     and a line saying how many will run, read without writing to any store."""
     from harness.record.store_checks import first_line
     from harness.record.tracking import recorded_for
     from harness.sweep.plan import study_name
 
-    total = len(points(spec))
+    spec, total = sweep.spec, len(sweep.points)
     try:
-        recorded = recorded_for(spec.tracking.mlflow_uri, spec.experiment, study_name(spec))
+        recorded = recorded_for(spec.tracking.mlflow_uri, spec.experiment, study_name(sweep))
     except Exception as error:  # a dry run still lists the plan; it says what it could not read
         return {}, (
             f"{total} point(s); which are recorded is unknown: cannot read "

@@ -16,11 +16,12 @@ import math
 import random
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from harness.contract import Direction
 from harness.record.stores import prepare_store, storage_for
-from harness.spec import Spec, SpecError, grid_hash, on_hardware, points, trial_config
+from harness.spec import Spec, SpecError, SweepPlan
 from harness.sweep.claim import (
     StudyAttr,
     TrialAttr,
@@ -44,24 +45,25 @@ if TYPE_CHECKING:
 MAX_REPEATS = 20
 
 
-def study_name(spec: Spec) -> str:
-    base = f"{spec.experiment}-{grid_hash(spec)}"
-    return base if spec.search.method == "grid" else f"{base}-optuna"
+def study_name(sweep: SweepPlan) -> str:
+    base = f"{sweep.spec.experiment}-{sweep.grid_hash}"
+    return base if sweep.spec.search.method == "grid" else f"{base}-optuna"
 
 
-def spec_hash(spec: Spec) -> str:
+def spec_hash(sweep: SweepPlan) -> str:
     """The grid hash without the hardware: the same spec on any host (and the whole grid hash
     of sweeps recorded before hardware was part of a trial's identity)."""
-    return grid_hash(on_hardware(spec, {})) if spec._hardware else grid_hash(spec)
+    return replace(sweep, hardware=None).grid_hash
 
 
-def swept_elsewhere(study: Study, spec: Spec) -> str | None:
+def swept_elsewhere(study: Study, sweep: SweepPlan) -> str | None:
     """For a new sweep: the hardware an earlier sweep of this same spec ran on, if other."""
     import optuna
 
     if study.get_trials(deepcopy=False):
         return None  # resuming this very sweep
-    mine, same_spec = spec._hardware or {}, spec_hash(spec)
+    spec = sweep.spec
+    mine, same_spec = dict(sweep.hardware or {}), spec_hash(sweep)
     suffix = "" if spec.search.method == "grid" else "-optuna"
     storage = storage_for(spec.tracking.storage)
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
@@ -75,7 +77,7 @@ def swept_elsewhere(study: Study, spec: Spec) -> str | None:
     return None
 
 
-def free_points(study: Study, spec: Spec, keys: list[str]) -> int:
+def free_points(study: Study, sweep: SweepPlan, keys: list[str]) -> int:
     """``--retry-failed``: the trials of these points no longer hold them (``superseded``);
     Optuna search enqueues the points, so the sampler's next trials are those points again."""
     if not keys:
@@ -84,15 +86,14 @@ def free_points(study: Study, spec: Spec, keys: list[str]) -> int:
     last = max((t.number for t in study.get_trials(deepcopy=False)), default=-1)
     replaced.update({key: last for key in keys})
     study.set_user_attr(StudyAttr.SUPERSEDED, replaced)
-    if spec.search.method != "grid":
-        by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
+    if sweep.spec.search.method != "grid":
         for key in keys:
-            if key in by_key:
-                study.enqueue_trial(by_key[key], skip_if_exists=False)
+            if key in sweep.by_key:
+                study.enqueue_trial(sweep.by_key[key][0], skip_if_exists=False)
     return len(keys)
 
 
-def restore_trials(study: Study, spec: Spec, runs: list[Any]) -> int:
+def restore_trials(study: Study, sweep: SweepPlan, runs: list[Any]) -> int:
     """Copy into the study every trial recorded in MLflow (``runs``: the sweep's trial runs)
     that it does not hold: its storage was deleted, emptied, or is another one (``--workers``
     keeps the study in a journal file, a plain run in SQLite). The copies are finished trials
@@ -109,7 +110,7 @@ def restore_trials(study: Study, spec: Spec, runs: list[Any]) -> int:
         for t in study.get_trials(deepcopy=False)
         if TrialAttr.STATUS in t.user_attrs and not released(t, replaced)
     }
-    by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
+    spec, by_key = sweep.spec, sweep.by_key
     distributions: dict[str, BaseDistribution] = {
         axis: CategoricalDistribution(values) for axis, values in spec.axes().items()
     }
@@ -127,7 +128,7 @@ def restore_trials(study: Study, spec: Spec, runs: list[Any]) -> int:
             optuna.trial.create_trial(
                 state=TrialState.COMPLETE if values is not None else TrialState.FAIL,
                 values=values,
-                params=by_key[key],
+                params=by_key[key][0],
                 distributions=distributions,
                 user_attrs={
                     TrialAttr.KEY: key,
@@ -227,15 +228,16 @@ def elect_parent(spec: Spec, study: Study, candidate: str, alive: Callable[[str]
     return candidate  # not reached: the candidate's own entry is among them
 
 
-def open_study(spec: Spec, fresh: bool = False) -> Study:
+def open_study(sweep: SweepPlan, fresh: bool = False) -> Study:
     """The sweep's study, on a storage that keeps Optuna's heartbeat where it can (an RDB
     storage: ``harness.sweep.claim``)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    spec = sweep.spec
     url = spec.tracking.storage
     prepare_store(url, lambda path: optuna.storages.RDBStorage(path))
-    name = study_name(spec)
+    name = study_name(sweep)
     if fresh:  # the study and its parent-run election
         for doomed in (name, election_name(name)):
             with contextlib.suppress(KeyError):
@@ -243,8 +245,8 @@ def open_study(spec: Spec, fresh: bool = False) -> Study:
     directions: list[Direction] = [objective.direction for objective in spec.search.objectives]
     study = create_or_load(name, lambda: storage_for(url, **heartbeat_options()), directions)
     if StudyAttr.SPEC_HASH not in study.user_attrs:  # what swept_elsewhere compares
-        study.set_user_attr(StudyAttr.SPEC_HASH, spec_hash(spec))
-        study.set_user_attr(StudyAttr.HARDWARE, spec._hardware or {})
+        study.set_user_attr(StudyAttr.SPEC_HASH, spec_hash(sweep))
+        study.set_user_attr(StudyAttr.HARDWARE, dict(sweep.hardware or {}))
     study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
     wanted = [f"{o.metric}:{o.direction}" for o in spec.search.objectives]
     recorded = study.user_attrs.get(StudyAttr.OBJECTIVES)
@@ -339,10 +341,10 @@ def tell(study: Study, trial: Trial, spec: Spec, result: TrialResult, run_id: st
     study.tell(trial, values, skip_if_finished=True)
 
 
-def trials_to_run(spec: Spec, recorded: int, more: int | None) -> int:
+def trials_to_run(sweep: SweepPlan, recorded: int, more: int | None) -> int:
     """Grid: every unrecorded point. Optuna: up to ``search.n_trials`` recorded in all, or
     ``more`` beyond what is recorded (``--n-trials``), never past the grid's size."""
-    size = len(points(spec))
+    spec, size = sweep.spec, len(sweep.points)
     if spec.search.method == "grid":
         return size - recorded
     wanted = recorded + more if more is not None else spec.search.n_trials or 0
@@ -390,13 +392,19 @@ class SearchPlan:
     """
 
     def __init__(
-        self, study: Study, spec: Spec, recorded: set[str], target: int, shuffle: bool = False
+        self,
+        study: Study,
+        sweep: SweepPlan,
+        recorded: set[str],
+        target: int,
+        shuffle: bool = False,
     ) -> None:
-        self.study, self.spec = study, spec
+        spec = sweep.spec
+        self.study, self.spec, self.sweep = study, spec, sweep
         self.recorded = set(recorded)
         self.target = target
         self.random = random.Random(spec.train.seed + len(recorded))
-        self.by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
+        self.by_key = {key: point for key, (point, _) in sweep.by_key.items()}
         self.shuffle = shuffle
 
     def taken(self) -> set[str]:
@@ -424,7 +432,7 @@ class SearchPlan:
             if key in taken or key in (taken := self.taken()):
                 continue
             trial, point = ask(self.study, self.spec, self.by_key[key])
-            config = trial_config(self.spec, point)
+            config = self.sweep.trial_config(point)
             if claim_point(self.study, trial, config.trial_key):
                 yield trial, point, config
 
@@ -435,7 +443,7 @@ class SearchPlan:
                 return None
             trial = new_trial(self.study)
             point = suggest_point(trial, self.spec)
-            config = trial_config(self.spec, point)
+            config = self.sweep.trial_config(point)
             if config.trial_key in taken:
                 self.repeat(trial, config.trial_key)
             elif claim_point(self.study, trial, config.trial_key):
@@ -444,7 +452,7 @@ class SearchPlan:
         if not untaken:
             return None
         trial, point = ask(self.study, self.spec, self.by_key[self.random.choice(untaken)])
-        config = trial_config(self.spec, point)
+        config = self.sweep.trial_config(point)
         if not claim_point(self.study, trial, config.trial_key):
             return self.propose()
         return trial, point, config

@@ -17,12 +17,8 @@ from harness.record.tracking import CANDIDATE_TAG, FRESH_TAG, STUDY_TAG, Tracker
 from harness.spec import (
     Spec,
     SpecError,
-    grid_hash,
-    on_hardware,
-    points,
-    trial_config,
 )
-from harness.spec.grid import max_batch_key, with_max_batch
+from harness.spec.grid import SweepPlan, max_batch_key
 from harness.spec.schema import MAX_BATCH
 from harness.strategies import batch_step
 from harness.sweep import claim, plan, preflight
@@ -36,12 +32,13 @@ if TYPE_CHECKING:
     from optuna import Study
 
 
-def sweep_params(spec: Spec) -> dict[str, str]:
+def sweep_params(sweep: SweepPlan) -> dict[str, str]:
+    spec = sweep.spec
     axes = spec.axes()
     return {
         "model": spec.model.family,
         "dataset": spec.data.dataset,
-        "n_trials": str(len(points(spec))),
+        "n_trials": str(len(sweep.points)),
         **{f"axis_{name}": ",".join(map(str, values)) for name, values in axes.items()},
         "budget": ",".join(f"{k}={v}" for k, v in spec.train.budget.as_dict().items()),
         "device": spec.device,
@@ -61,9 +58,10 @@ RETRY_STATUSES: dict[str, tuple[Status, ...]] = {
 
 @dataclass
 class SweepState:
-    """What every worker of one sweep shares: the study, the MLflow parent run, the spec."""
+    """What every worker of one sweep shares: the study, the MLflow parent run, the spec as
+    the user wrote it and the plan the sweep resolved from it on this host."""
 
-    spec: Spec
+    plan: SweepPlan
     study: Study
     tracker: Tracker
     parent: str
@@ -75,6 +73,10 @@ class SweepState:
     # switched storage), and why the parent run is not the one the study named.
     restored: int = 0
     study_named: str | None = None  # "" when it named none
+
+    @property
+    def spec(self) -> Spec:
+        return self.plan.spec
 
 
 def prepare(
@@ -100,13 +102,13 @@ def prepare(
     preflight.check_stores(spec)  # before anything is created or any trial runs
     if runs_trials:
         preflight.check_device(spec)
-    spec = on_hardware(spec, host_hardware(spec.device))
+    sweep = SweepPlan(spec).on_hardware(host_hardware(spec.device))
     if runs_trials:
         start_warm_starter()
-    spec = resolve_max_batch(spec)  # before hashing: the found batches are in the trial keys
+    sweep = resolve_max_batch(sweep)  # before hashing: the found batches are in the trial keys
     results_dir = Path(spec.tracking.results_dir)
-    study = plan.open_study(spec, fresh=fresh)
-    other_hardware = plan.swept_elsewhere(study, spec)
+    study = plan.open_study(sweep, fresh=fresh)
+    other_hardware = plan.swept_elsewhere(study, sweep)
     interrupted = claim.fail_stale_trials(study)
     if launch:
         study.set_user_attr(f"{StudyAttr.LAUNCH}{launch}", time.time())
@@ -125,13 +127,13 @@ def prepare(
         name=f"sweep {spec.experiment}",
         tags={
             "spec_name": spec.name,
-            "grid_hash": grid_hash(spec),
+            "grid_hash": sweep.grid_hash,
             STUDY_TAG: study.study_name,
-            **hardware_tags(spec),
+            **hardware_tags(sweep),
             **({FRESH_TAG: "true"} if fresh else {}),
             **({CANDIDATE_TAG: "true"} if race else {}),
         },
-        params=sweep_params(spec),
+        params=sweep_params(sweep),
     )
     if race:  # a new parent run: the workers starting this sweep elect one of theirs
         elected = plan.elect_parent(spec, study, parent, tracker.is_live)
@@ -150,41 +152,42 @@ def prepare(
         tracker.discard_unfinished(runs)  # each also left a stale study trial
         # (workers leave it to the process that prepared the sweep: two copying at once
         # would teach the sampler every trial twice)
-        restored = plan.restore_trials(study, spec, runs)
+        restored = plan.restore_trials(study, sweep, runs)
         if retry:
             statuses = {status.value for status in RETRY_STATUSES[retry]}
             keys = tracker.supersede_trials(parent, statuses)
-            retried = plan.free_points(study, spec, keys)
+            retried = plan.free_points(study, sweep, keys)
     adopted = known and known != named  # the study named another run, or none
     study_named = (named or "") if adopted else None
     return SweepState(
-        spec, study, tracker, parent, interrupted, retried, other_hardware, restored, study_named
+        sweep, study, tracker, parent, interrupted, retried, other_hardware, restored, study_named
     )
 
 
-def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
+def resolve_max_batch(sweep: SweepPlan, target: str | None = None) -> SweepPlan:
     """``grid.batch_size: max``: for each model size x dtype x strategy, the largest batch whose
     predicted peak fits ``device_memory`` (``harness.sweep.fit``: the estimator at a few batch
-    sizes, in a child process), kept on the spec (``Spec._max_batch``) for ``trial_config``.
+    sizes, in a child process), kept on the plan (``SweepPlan.max_batch``) for its trial configs.
 
-    ``target`` is the device type predicted for (default: the hardware the spec is tied to,
-    ``on_hardware``). Where not even the smallest allowed batch fits (or the estimator cannot
+    ``target`` is the device type predicted for (default: the hardware the plan is tied to,
+    ``SweepPlan.on_hardware``). Where not even the smallest allowed batch fits (or the estimator cannot
     predict) that smallest batch stands in: the trial's own prediction then records it
     ``infeasible`` (or runs it). A spec without ``max``, or already resolved, is returned as is.
     """
-    if MAX_BATCH not in spec.grid.batch_size or spec._max_batch:
-        return spec
+    spec = sweep.spec
+    if MAX_BATCH not in spec.grid.batch_size or sweep.max_batch:
+        return sweep
     from harness.sweep.estimate import EstimateError
     from harness.sweep.fit import default_jobs, fit_configs, upper_bound
 
-    target = (target or (spec._hardware or {}).get("device") or spec.device).split(":")[0]
+    target = (target or (sweep.hardware or {}).get("device") or spec.device).split(":")[0]
     budget = int(spec.memory_budget or 0)
     keys = list(itertools.product(spec.model.sizes, spec.grid.dtype, spec.grid.strategy))
     points_at_step = [  # at the smallest allowed batch; the search sets its own
         {"model_size": m, "batch_size": batch_step(g.split("+")), "dtype": d, "strategy": g}
         for m, d, g in keys
     ]
-    configs = [trial_config(spec, point) for point in points_at_step]
+    configs = [sweep.trial_config(point) for point in points_at_step]
     print(
         f"grid.batch_size max: finding the largest batch within {format_bytes(budget)} for "
         f"{len(configs)} configuration(s), predicted on {target} ...",
@@ -201,7 +204,7 @@ def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
         found[max_batch_key(point)] = max_batch_entry(
             answer["rows"][0], config.batch_size, budget, bound
         )
-    return with_max_batch(spec, found)
+    return sweep.with_max_batch(found)
 
 
 def max_batch_entry(row: dict[str, Any], step: int, budget: int, bound: int) -> dict[str, Any]:
@@ -236,9 +239,9 @@ def log_spec(tracker: Tracker, parent: str, source: Path) -> None:
         tracker.client.log_artifact(parent, str(copy), artifact_path="spec")
 
 
-def hardware_tags(spec: Spec) -> dict[str, str]:
+def hardware_tags(sweep: SweepPlan) -> dict[str, str]:
     """The parent run's ``device`` and ``device_name`` tags: what its trials ran on."""
-    return {key: str(value) for key, value in (spec._hardware or {}).items()}
+    return {key: str(value) for key, value in (sweep.hardware or {}).items()}
 
 
 def with_tracking(spec: Spec, **changes: str | None) -> Spec:

@@ -21,10 +21,7 @@ from rich.progress import (
 
 from harness.analyse.noise import NOISY_MARK, noise_reason
 from harness.record.stores import redact
-from harness.spec import (
-    Spec,
-    points,
-)
+from harness.spec import SweepPlan
 from harness.spec.schema import MAX_BATCH
 from harness.sweep import plan
 from harness.sweep.prepare import SweepState
@@ -64,7 +61,7 @@ def announce(state: SweepState, console: Console) -> None:
     if state.other_hardware:
         console.print(
             f"This spec was swept on {state.other_hardware}; this host runs "
-            f"{describe_hardware(state.spec._hardware or {})}: starting a new sweep (hardware is part "
+            f"{describe_hardware(dict(state.plan.hardware or {}))}: starting a new sweep (hardware is part "
             "of a trial's identity; the earlier results stay in MLflow).",
             soft_wrap=True,
         )
@@ -88,15 +85,15 @@ def announce(state: SweepState, console: Console) -> None:
             "(deleted in MLflow, restorable) and they run again in this sweep.",
             soft_wrap=True,
         )
-    for line in max_batch_lines(state.spec):
+    for line in max_batch_lines(state.plan):
         console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
-def max_batch_lines(spec: Spec) -> list[str]:
+def max_batch_lines(sweep: SweepPlan) -> list[str]:
     """What ``grid.batch_size: max`` resolved to, one line per configuration."""
     return [
         f"{size} {dtype} {strategy}: batch_size {entry['search']}"
-        for (size, dtype, strategy), entry in spec._max_batch.items()
+        for (size, dtype, strategy), entry in sweep.max_batch.items()
     ]
 
 
@@ -112,7 +109,7 @@ class Start:
 def start(state: SweepState, console: Console, more_trials: int | None = None) -> Start:
     """Count what is recorded and what is left, and say so: resuming, nothing left, or how
     many trials run (one of these lines per sweep, whoever runs its trials)."""
-    spec, parent = state.spec, state.parent
+    spec, parent, size = state.spec, state.parent, len(state.plan.points)
     left = left_to_run(state, more_trials)
     recorded, to_run, total = left.recorded, left.to_run, left.total
     interrupted = state.interrupted
@@ -124,7 +121,7 @@ def start(state: SweepState, console: Console, more_trials: int | None = None) -
     if not to_run:
         hint = (
             "Use --fresh to start a new sweep of this spec."
-            if spec.search.method == "grid" or len(recorded) >= len(points(spec))
+            if spec.search.method == "grid" or len(recorded) >= size
             else "Use --n-trials N to run N more, or --fresh to start a new sweep."
         )
         console.print(f"Nothing left to run. {hint}")
@@ -132,7 +129,7 @@ def start(state: SweepState, console: Console, more_trials: int | None = None) -
     searched = (
         ""
         if spec.search.method == "grid"
-        else f", chosen by Optuna's {spec.search.sampler} sampler from {len(points(spec))} points"
+        else f", chosen by Optuna's {spec.search.sampler} sampler from {size} points"
     )
     console.print(
         f"Sweep [bold]{spec.experiment}[/]: {to_run} trial(s) to run{searched}, each in its own "
@@ -145,7 +142,7 @@ def start(state: SweepState, console: Console, more_trials: int | None = None) -
 
 def left_to_run(state: SweepState, more_trials: int | None = None) -> Start:
     recorded = set(state.tracker.recorded_trials(state.parent))
-    to_run = plan.trials_to_run(state.spec, len(recorded), more_trials)
+    to_run = plan.trials_to_run(state.plan, len(recorded), more_trials)
     return Start(recorded, to_run, len(recorded) + to_run)
 
 

@@ -147,7 +147,7 @@ def work(
             task = progress.add_task("starting", total=total, completed=outcome.already_recorded)
             index = len(recorded)
             while True:
-                proposals = plan.SearchPlan(study, spec, recorded, total, shuffle)
+                proposals = plan.SearchPlan(study, state.plan, recorded, total, shuffle)
                 for trial, point, config in proposals:
                     index += 1
                     label = trial_label(point, config)
