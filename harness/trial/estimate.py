@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.contract import OPTIMIZER_STATE_BYTES
-from harness.cuda.device_memory import FREE, DeviceMemory, capped, device_memory
+from harness.cuda.device_memory import FREE, DeviceMemory, Replayable
 from harness.cuda.kernels import Workspaces
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.allocations import AllocationLog
@@ -47,7 +47,7 @@ from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
 # Under this key a fit prediction (``totals=True``) of a CUDA target keeps what its device
-# figures were replayed from, so a search can judge it against other budgets
+# figures were replayed from (a ``Replayable``), so a search can judge it against other budgets
 # (``replay_for_budget``); not JSON, never written out.
 REPLAY = "replay"
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
@@ -240,15 +240,11 @@ class Predictor:
             prediction["totals"] = window.totals_tracker.totals
         if self.log is not None and self.target is not None:
             window_events = self.log.events[start:]
-            memory = device_memory(
-                history,
-                window_events,
-                self.target.allocator,
-                self.target.card,
-                config.world_size,
-                # A fit search judges each of its budgets itself (REPLAY): unbounded here.
-                None if self.totals else self.target.budget(config),
+            replayable = Replayable(
+                history, window_events, self.target.allocator, self.target.card, config.world_size
             )
+            # A fit search judges each of its budgets itself (REPLAY): unbounded here.
+            memory = replayable.device_memory(None if self.totals else self.target.budget(config))
             prediction.update(memory.metrics())
             # max_memory_allocated counts blocks as the allocator hands them out: with the
             # cuBLAS workspaces it serves and the remainders too small to split off, which
@@ -260,13 +256,7 @@ class Predictor:
             prediction["card"] = self.target.card.name
             prediction["note"] = target_note(self.target, self.kernels)
             if self.totals:
-                prediction[REPLAY] = (
-                    history,
-                    window_events,
-                    self.target.allocator,
-                    self.target.card,
-                    config.world_size,
-                )
+                prediction[REPLAY] = replayable
         return prediction
 
     def history(self) -> list[tuple[int, int]]:
@@ -282,11 +272,10 @@ class Predictor:
         return [*events, *gone, *new]
 
 
-def replay_for_budget(replayable: tuple[Any, ...], budget: int) -> DeviceMemory | None:
+def replay_for_budget(replayable: Replayable, budget: int) -> DeviceMemory | None:
     """A prediction's device figures under a cap of another budget (``REPLAY``), for one whose
     unbounded figure exceeds it: None when even freeing the cache and retrying does not fit."""
-    history, window, allocator, card, world_size = replayable
-    return capped(history, window, allocator, card, world_size, budget)
+    return replayable.capped(budget)
 
 
 def one_line(error: Exception) -> str:
