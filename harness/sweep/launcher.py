@@ -49,6 +49,17 @@ class LaunchOutcome:
     hints: list[str] = field(default_factory=list)  # how to follow a sweep not waited for
 
 
+@dataclass
+class SweepOutcome:
+    """One process's part of a sweep: the parent run it recorded in, how many trials the
+    sweep has in all and how many were recorded before it began."""
+
+    experiment: str
+    parent_run_id: str
+    total: int
+    already_recorded: int
+
+
 class Launcher(Protocol):
     """One way of starting a sweep's workers."""
 
@@ -58,3 +69,20 @@ class Launcher(Protocol):
     resume_hint: str | None
 
     def launch(self, request: LaunchRequest) -> LaunchOutcome: ...
+
+
+class OnThisHost:
+    """A launcher whose workers are this host's processes, waited for here (``local``,
+    ``workers``): the sweep's one parent run is its outcome."""
+
+    name: str = ""
+    resume_hint: str | None = "run the same command to resume"
+
+    def run(self, request: LaunchRequest) -> SweepOutcome:
+        raise NotImplementedError
+
+    def launch(self, request: LaunchRequest) -> LaunchOutcome:
+        outcome = self.run(request)
+        uri = request.spec.tracking.mlflow_uri
+        parents = [outcome.parent_run_id]
+        return LaunchOutcome(self.name, outcome.experiment, uri, [], True, outcome.total, parents)

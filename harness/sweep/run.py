@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -23,7 +22,7 @@ from harness.spec import (
 )
 from harness.sweep import claim, plan
 from harness.sweep.launch import launch_trial
-from harness.sweep.launcher import LaunchOutcome, LaunchRequest
+from harness.sweep.launcher import LaunchRequest, OnThisHost, SweepOutcome
 from harness.sweep.prepare import SweepState, prepare, with_tracking
 from harness.sweep.progress import (
     NOISE_LINE,
@@ -41,35 +40,15 @@ from harness.trial.result import RETRYABLE, Status, TrialResult
 from harness.waiting import until
 
 
-@dataclass
-class SweepOutcome:
-    """One process's part of a sweep: the parent run it recorded in, how many trials the
-    sweep has in all and how many were recorded before it began."""
-
-    experiment: str
-    parent_run_id: str
-    total: int
-    already_recorded: int
-
-    def launched(self, launcher: str, tracking_uri: str) -> LaunchOutcome:
-        """As a launcher reports it: waited for, one parent run, nothing missing."""
-        return LaunchOutcome(
-            launcher, self.experiment, tracking_uri, [], True, self.total, [self.parent_run_id]
-        )
-
-
-class LocalLauncher:
+class LocalLauncher(OnThisHost):
     """The whole sweep in this process (the default)."""
 
     name: str = "local"
-    resume_hint: str | None = "run the same command to resume"
 
-    def launch(self, request: LaunchRequest) -> LaunchOutcome:
-        spec = request.spec
-        outcome = run_sweep(
-            spec, request.console, request.fresh, request.more_trials, request.retry
+    def run(self, request: LaunchRequest) -> SweepOutcome:
+        return run_sweep(
+            request.spec, request.console, request.fresh, request.more_trials, request.retry
         )
-        return outcome.launched(self.name, spec.tracking.mlflow_uri)
 
 
 def run_worker(

@@ -19,10 +19,10 @@ from rich.console import Console
 from harness.contract import MANAGED_WORKER_ENV, STORAGE_ENV, TRACKING_ENV
 from harness.record.stores import redact, shared_storage
 from harness.spec import Spec, SpecError, trial_configs
-from harness.sweep.launcher import LaunchOutcome, LaunchRequest
+from harness.sweep.launcher import LaunchRequest, OnThisHost, SweepOutcome
 from harness.sweep.prepare import SweepState, prepare, with_tracking
 from harness.sweep.progress import NOISE_LINE, TRIAL_LINE, announce, progress_bar, start
-from harness.sweep.run import SweepOutcome, status_counts
+from harness.sweep.run import status_counts
 
 
 def run_with_workers(
@@ -174,15 +174,12 @@ def warn_about_cpu_sharing(console: Console, spec: Spec) -> None:
         )
 
 
-class WorkersLauncher:
+class WorkersLauncher(OnThisHost):
     """``--workers N``: N ``harness worker`` processes on this host, shown as one sweep."""
 
     name: str = "workers"
-    resume_hint: str | None = "run the same command to resume"
 
-    def launch(self, request: LaunchRequest) -> LaunchOutcome:
-        spec = request.spec
-        outcome = run_with_workers(
-            spec, request.console, request.fresh, request.workers, request.retry
+    def run(self, request: LaunchRequest) -> SweepOutcome:
+        return run_with_workers(
+            request.spec, request.console, request.fresh, request.workers, request.retry
         )
-        return outcome.launched(self.name, spec.tracking.mlflow_uri)
