@@ -20,6 +20,7 @@ from harness.cli.common import (
     print_table,
 )
 from harness.spec import SpecError, load_spec, with_card
+from harness.trial.prediction import Prediction
 from harness.units import format_bytes, parse_bytes
 
 
@@ -44,7 +45,7 @@ def budgets_option(text: str | None, spec: Any, source: Path) -> list[int]:
 
 def cell(row: Any, axis: str) -> str:
     """A matrix cell: the largest value that fits, or why there is none."""
-    if row.get("refused") or row.get("unpredictable"):
+    if not Prediction.from_dict(row).ok:
         return "not predicted"
     value = row.get("value")
     if value is None or value != value:

@@ -9,6 +9,7 @@ import click
 
 from harness.cli.common import card_options, emit, format_option, prediction_target
 from harness.spec import SweepPlan, load_spec, points, with_card
+from harness.trial.prediction import Prediction
 from harness.units import format_bytes
 
 
@@ -138,9 +139,9 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     reasons: list[str] = []
     for _, row in frame.iterrows():
         cells = [estimate_cell(column, row[column]) for column in columns]
-        why = [row[c] for c in ("refused", "unpredictable") if isinstance(row.get(c), str)]
-        if why:
-            reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {'; '.join(why)}")
+        prediction = Prediction.from_dict(row)
+        if not prediction.ok:
+            reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {prediction.reason}")
             cells[columns.index("strategy")] += f" [{len(reasons)}]"
         rows.append(cells)
     console = make_console()

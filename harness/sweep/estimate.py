@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from harness.spec import SweepPlan
+from harness.trial.prediction import FAILURES
 
 COLUMNS = [
     "model_size",
@@ -45,8 +46,7 @@ COLUMNS = [
     "device",
     "trial_key",
     "estimate_seconds",
-    "refused",
-    "unpredictable",
+    *(outcome.value for outcome in FAILURES),  # refused, unpredictable: why a row has none
     "note",
 ]
 

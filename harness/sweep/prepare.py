@@ -213,7 +213,9 @@ def max_batch_entry(row: dict[str, Any], step: int, budget: int, bound: int) -> 
     within = f"{MAX_BATCH} within {format_bytes(budget)}"
     value, count = row.get("value"), row.get("predictions")
     if value is None:  # refused or unpredictable at any batch
-        why = row.get("refused") or row.get("unpredictable") or "no prediction"
+        from harness.trial.prediction import Prediction
+
+        why = Prediction.from_dict(row).reason or "no prediction"
         search = f"{within}: not predicted ({why}); the smallest allowed batch {step}"
         return {"batch_size": step, "search": search, "method": "not predicted"}
     if not value:
