@@ -11,7 +11,6 @@ from typing import Any
 from harness.cuda.cards import CATALOGUE
 from harness.spec.errors import SpecError, did_you_mean
 from harness.spec.schema import MAX_BATCH, Spec
-from harness.strategies import STRATEGIES, batch_step, parse_term
 from harness.trial.config import TrialConfig
 
 
@@ -41,13 +40,14 @@ def batch_of(spec: Spec, point: dict[str, Any]) -> tuple[int, str | None]:
         return int(value), None
     found = spec._max_batch.get(max_batch_key(point))
     if found is None:
-        return batch_step(point["strategy"].split("+")), f"{MAX_BATCH}: not resolved"
+        return spec.grid.combination(point["strategy"]).batch_step, f"{MAX_BATCH}: not resolved"
     return int(found["batch_size"]), str(found["search"])
 
 
 def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
     """The trial at one grid point (``batch_size: max``: the resolved batch, see ``batch_of``)."""
     size = point["model_size"]
+    combination = spec.grid.combination(point["strategy"])
     batch_size, batch_size_search = batch_of(spec, point)
     spec_dir = str(Path(spec._source).resolve().parent) if spec._source else str(Path.cwd())
     return TrialConfig(
@@ -59,9 +59,9 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         data_options=spec.data.options(),
         batch_size=batch_size,
         dtype=point["dtype"],
-        strategy=point["strategy"].split("+"),
-        optimizer=spec.train.optimizer.model_dump(),
-        budget=spec.train.budget.as_dict(),
+        strategy=combination,
+        optimizer=spec.train.optimizer.settings(),
+        budget=spec.train.budget.budget(),
         seed=spec.train.seed,
         warmup_steps=spec.measure.warmup_steps,
         memory_steps=spec.measure.memory_steps,
@@ -70,7 +70,8 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         device_memory_bytes=spec.memory_budget,
         model_loss=spec.model.loss,
         hardware=dict(spec._hardware) if spec._hardware else None,
-        lora=spec.train.lora.model_dump() if uses_adapters(point["strategy"]) else None,
+        # train.lora only where an adapter strategy reads it (other trials keep their keys)
+        lora=spec.train.lora.settings() if combination.has_group("adapters") else None,
         python_path=[spec_dir, str(Path.cwd())],
         run_infeasible=spec.limits.run_infeasible,
         timeline=spec.measure.timeline,
@@ -79,11 +80,6 @@ def trial_config(spec: Spec, point: dict[str, Any]) -> TrialConfig:
         card=card.to_dict() if (card := spec.card_entry) is not None else None,
         allocator=spec.allocator,
     )
-
-
-def uses_adapters(strategy: str) -> bool:
-    """Whether a grid point's strategy reads ``train.lora``."""
-    return any(STRATEGIES[parse_term(term)[0]].group == "adapters" for term in strategy.split("+"))
 
 
 def trial_configs(spec: Spec) -> list[TrialConfig]:

@@ -40,7 +40,6 @@ from harness.spec import (
 )
 from harness.spec.grid import max_batch_key, with_max_batch
 from harness.spec.schema import MAX_BATCH
-from harness.strategies import batch_step
 from harness.sweep import claim, plan, preflight
 from harness.sweep.launch import launch_trial, start_warm_starter
 from harness.trial.config import TIMELINE_FILE, TIMELINE_PNG, TrialConfig
@@ -243,7 +242,7 @@ def resolve_max_batch(spec: Spec, target: str | None = None) -> Spec:
     budget = int(spec.memory_budget or 0)
     keys = list(itertools.product(spec.model.sizes, spec.grid.dtype, spec.grid.strategy))
     points_at_step = [  # at the smallest allowed batch; the search sets its own
-        {"model_size": m, "batch_size": batch_step(g.split("+")), "dtype": d, "strategy": g}
+        {"model_size": m, "batch_size": g.batch_step, "dtype": d, "strategy": g.text}
         for m, d, g in keys
     ]
     configs = [trial_config(spec, point) for point in points_at_step]
