@@ -118,59 +118,58 @@ _DOCS: dict[str, str] = {
     "(2 in bf16, ~0.52 in NF4)",
 }
 
-_KINDS: dict[str, tuple[str, Better]] = {
-    "peak_allocated_bytes": (BYTES, "lower"),
-    "peak_reserved_bytes": (BYTES, "lower"),
-    "peak_device_bytes": (BYTES, "lower"),
-    "peak_rss_bytes": (BYTES, "lower"),
-    "mem_param_bytes": (BYTES, "lower"),
-    "mem_grad_bytes": (BYTES, "lower"),
-    "mem_optim_bytes": (BYTES, "lower"),
-    "mem_activation_bytes": (BYTES, "lower"),
-    "mem_other_bytes": (BYTES, "lower"),
-    "num_params": (PARAMETERS, None),
-    "num_params_total": (PARAMETERS, None),
-    "throughput": (THROUGHPUT, "higher"),
-    "step_time_ms_p50": (MILLISECONDS, "lower"),
-    "step_time_ms_p90": (MILLISECONDS, "lower"),
-    "step_time_ms_p99": (MILLISECONDS, "lower"),
-    "step_time_cv": (RATIO, "lower"),
-    "timing_other_busy_cores": (CORES, None),
-    "timing_steal_fraction": (FRACTION, None),
-    "timing_free_cores": (CORES, None),
-    "timing_load_avg": (PLAIN, None),
-    "accuracy": (FRACTION, "higher"),
-    "eval_loss": (PLAIN, "lower"),
-    "train_loss": (PLAIN, "lower"),
-    "train_steps": (COUNT, None),
-    "epochs": (PLAIN, None),
-    "epoch_time_s": (SECONDS, "lower"),
-    "predicted_peak_bytes": (BYTES, None),
-    "prediction_ratio": (RATIO, None),
-    "predicted_reserved_bytes": (BYTES, None),
-    "predicted_device_bytes": (BYTES, None),
-    "reserved_prediction_ratio": (RATIO, None),
-    "device_prediction_ratio": (RATIO, None),
-    "estimate_time_s": (SECONDS, "lower"),
-    "setup_time_s": (SECONDS, "lower"),
-    "train_time_s": (SECONDS, "lower"),
-    "eval_time_s": (SECONDS, "lower"),
-    "memory_step_time_ms": (MILLISECONDS, "lower"),
-    "sparsity": (FRACTION, None),
-    "float_linear_weight_bytes": (BYTES, "lower"),
-    "int8_linear_weight_bytes": (BYTES, "lower"),
-    "float_peak_inference_bytes": (BYTES, "lower"),
-    "int8_peak_inference_bytes": (BYTES, "lower"),
-    "int8_accuracy": (FRACTION, "higher"),
-    "compile_time_s": (SECONDS, "lower"),
-    "base_weight_bytes": (BYTES, "lower"),
-    "block_linear_weight_bytes": (BYTES, "lower"),
-    "block_linear_bytes_per_param": (BYTES_PER_PARAM, "lower"),
+# Unit and direction, each listing the metrics that have them (every metric in exactly one).
+_KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
+    (BYTES, "lower"): (
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "peak_device_bytes",
+        "peak_rss_bytes",
+        "mem_param_bytes",
+        "mem_grad_bytes",
+        "mem_optim_bytes",
+        "mem_activation_bytes",
+        "mem_other_bytes",
+        "float_linear_weight_bytes",
+        "int8_linear_weight_bytes",
+        "float_peak_inference_bytes",
+        "int8_peak_inference_bytes",
+        "base_weight_bytes",
+        "block_linear_weight_bytes",
+    ),
+    (BYTES, None): ("predicted_peak_bytes", "predicted_reserved_bytes", "predicted_device_bytes"),
+    (BYTES_PER_PARAM, "lower"): ("block_linear_bytes_per_param",),
+    (PARAMETERS, None): ("num_params", "num_params_total"),
+    (THROUGHPUT, "higher"): ("throughput",),
+    (MILLISECONDS, "lower"): (
+        "step_time_ms_p50",
+        "step_time_ms_p90",
+        "step_time_ms_p99",
+        "memory_step_time_ms",
+    ),
+    (SECONDS, "lower"): (
+        "epoch_time_s",
+        "estimate_time_s",
+        "setup_time_s",
+        "train_time_s",
+        "eval_time_s",
+        "compile_time_s",
+    ),
+    (RATIO, "lower"): ("step_time_cv",),
+    (RATIO, None): ("prediction_ratio", "reserved_prediction_ratio", "device_prediction_ratio"),
+    (FRACTION, "higher"): ("accuracy", "int8_accuracy"),
+    (FRACTION, None): ("timing_steal_fraction", "sparsity"),
+    (CORES, None): ("timing_other_busy_cores", "timing_free_cores"),
+    (COUNT, None): ("train_steps",),
+    (PLAIN, "lower"): ("eval_loss", "train_loss"),
+    (PLAIN, None): ("timing_load_avg", "epochs"),
 }
-assert _KINDS.keys() == _DOCS.keys(), "every metric has a unit and a meaning"
+_KIND_OF = {name: kind for kind, names in _KINDS.items() for name in names}
+assert len(_KIND_OF) == sum(map(len, _KINDS.values())), "a metric listed under two kinds"
+assert _KIND_OF.keys() == _DOCS.keys(), "every metric has a unit and a meaning"
 _TITLES = {"accuracy": "held-out accuracy (fraction correct)"}
 METRICS: dict[str, Metric] = {
-    name: Metric(name, *_KINDS[name], doc, _TITLES.get(name)) for name, doc in _DOCS.items()
+    name: Metric(name, *_KIND_OF[name], doc, _TITLES.get(name)) for name, doc in _DOCS.items()
 }
 
 # Columns of tables that are not metrics (the grid, the estimate's and fit's own figures), by

@@ -69,14 +69,14 @@ def test_the_allocator_replay_sees_every_byte_the_prediction_counts(base_spec):
             history = predictor.log.events[:start]
             tracked, workspaces = predictor.tracked_peak, predictor.workspaces.total
         allocator = replay(history, predictor.log.events[start:], predictor.target.allocator)
-        assert allocator.peak_allocated_bytes == prediction["predicted_peak_bytes"]
+        assert allocator.peak_allocated_bytes == prediction.peak_bytes
         # every tensor byte and each workspace is in the log; blocks add unsplit remainders
         assert (
             tracked + workspaces <= allocator.peak_allocated_bytes <= 1.01 * (tracked + workspaces)
         )
-        reserved = prediction["predicted_reserved_bytes"]
-        assert prediction["predicted_peak_bytes"] <= reserved
-        assert prediction["predicted_device_bytes"] == reserved + CATALOGUE["a100-80gb"].context
+        reserved = prediction.on_card.reserved_bytes
+        assert prediction.peak_bytes <= reserved
+        assert prediction.on_card.device_bytes == reserved + CATALOGUE["a100-80gb"].context
 
 
 def test_expandable_segments_and_settings_change_the_reserved_prediction(base_spec):
@@ -90,7 +90,7 @@ def test_expandable_segments_and_settings_change_the_reserved_prediction(base_sp
         data["grid"]["batch_size"] = [12]  # activations of 3 MiB and more: the large pool
         config = trial_configs(parse_spec(data))[0]
         with Predictor(config, torch.device("cpu"), as_cuda=True) as predictor:
-            reserved[conf] = predictor.predict(config.batch_size)["predicted_reserved_bytes"]
+            reserved[conf] = predictor.predict(config.batch_size).on_card.reserved_bytes
     assert reserved["expandable_segments:True"] < reserved[None]
     assert reserved["max_split_size_mb:20"] > reserved[None]
 
@@ -156,16 +156,16 @@ def test_fit_for_a_card_is_judged_on_the_device_figure(base_spec):
     cpu = torch.device("cpu")
     with Predictor(config, cpu, as_cuda=True) as predictor:
         at_32 = predictor.predict(32)
-    budget = int(at_32["predicted_peak_bytes"] + at_32["predicted_context_bytes"])
+    budget = int(at_32.peak_bytes + at_32.on_card.context_bytes)
     (row,) = fit_config(config, "batch_size", [budget], 256, cpu, as_cuda=True)
     value = row["value"]
     assert 0 < value < 32  # the allocated figure fits 32; what the card holds does not
     assert row["predicted_device_bytes"] <= budget and row["margin_bytes"] >= 0
 
-    def fresh(batch: int) -> dict:
+    def fresh(batch: int) -> float:
         sized = replace(config, batch_size=batch, device_memory_bytes=budget)
         with Predictor(sized, cpu, as_cuda=True) as predictor:
-            return predictor.predict(batch)
+            return predictor.predict(batch).on_card.device_bytes
 
-    assert fresh(value)["predicted_device_bytes"] <= budget
-    assert fresh(value + 1)["predicted_device_bytes"] > budget
+    assert fresh(value) <= budget
+    assert fresh(value + 1) > budget

@@ -23,7 +23,7 @@ from harness.cuda.autocast import (
     rule_for,
 )
 from harness.cuda.cards import CATALOGUE
-from harness.cuda.device_memory import device_memory, nccl_bytes
+from harness.cuda.device_memory import Replayable, nccl_bytes
 from harness.cuda.kernels import AttentionCall, choose_backend, cuda_kernels
 
 BF16 = torch.bfloat16
@@ -241,11 +241,12 @@ def test_device_memory_is_reserved_plus_context_and_judged_with_free_and_retry()
     card = CATALOGUE["a100-80gb"]
     history = [(0, 30 * MiB)]
     window = [(0, -1), (1, 40 * MiB)]
-    free = device_memory(history, window, AllocatorConfig(), card, 1, None)
+    step = Replayable(history, window, AllocatorConfig(), card, 1)
+    free = step.device_memory(None)
     assert free.reserved == 70 * MiB and free.allocated == 40 * MiB
     assert free.device == free.reserved + card.context
     budget = card.context + 50 * MiB
-    capped = device_memory(history, window, AllocatorConfig(), card, 1, budget)
+    capped = step.device_memory(budget)
     assert capped.fits and capped.reserved == 40 * MiB and capped.alloc_retries == 1
-    too_small = device_memory(history, window, AllocatorConfig(), card, 1, card.context + 30 * MiB)
+    too_small = step.device_memory(card.context + 30 * MiB)
     assert too_small.fits is False and too_small.reserved == 70 * MiB

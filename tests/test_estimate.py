@@ -50,7 +50,7 @@ def test_model_state_matches_the_closed_form():
     prediction = estimate_peak(config, torch.device("cpu"))
     expected = closed_form(config, prediction)["closed_form_model_state_bytes"]
     # bf16 parameters and gradients, bf16 Adam moments: 8 B/param (+ fp32 step counters).
-    assert prediction["predicted_model_state_bytes"] == pytest.approx(expected, rel=0.001)
+    assert prediction.model_state_bytes == pytest.approx(expected, rel=0.001)
 
 
 def test_adafactor_prediction_matches_the_measured_peak():
@@ -81,18 +81,18 @@ def test_a_multi_rank_trial_predicted_over_budget_ends_on_every_rank(tmp_path):
 
 def test_adam8bit_says_why_it_is_not_predicted():
     prediction = estimate_peak(trial_configs(parse_spec(spec("adam8bit")))[0], torch.device("cpu"))
-    assert list(prediction) == ["unpredictable"]
-    assert prediction["unpredictable"].startswith("adam8bit: its step is compiled code")
+    assert list(prediction.to_dict()) == ["unpredictable"]
+    assert prediction.reason.startswith("adam8bit: its step is compiled code")
 
 
 def test_cuda_target_without_a_gpu_is_accounted_in_512_byte_blocks():
     config = trial_configs(parse_spec(spec(batch_size=8)))[0]
     on_cpu = estimate_peak(config, torch.device("cpu"))
     as_cuda = estimate_peak(config, torch.device("cpu"), as_cuda=True)
-    assert as_cuda["predicted_peak_bytes"] % 512 == 0
+    assert as_cuda.peak_bytes % 512 == 0
     # The MLP's biases and the step counters are far below a block: rounding must add bytes.
-    assert as_cuda["predicted_peak_bytes"] > on_cpu["predicted_peak_bytes"]
-    assert as_cuda["predicted_model_state_bytes"] % 512 == 0
+    assert as_cuda.peak_bytes > on_cpu.peak_bytes
+    assert as_cuda.model_state_bytes % 512 == 0
     # Outside the estimate, CPU storages are counted as they are again.
     assert estimate_peak(config, torch.device("cpu")) == on_cpu
 
@@ -143,8 +143,7 @@ def test_several_processes_answer_one_request_each_config_once(capfd):
     assert [a["trial_key"] for a in answers] == [c.trial_key for c in configs]
     for config, answer in zip(configs, answers, strict=True):
         assert (
-            answer["predicted_peak_bytes"]
-            == estimate_peak(config, torch.device("cpu"))["predicted_peak_bytes"]
+            answer["predicted_peak_bytes"] == estimate_peak(config, torch.device("cpu")).peak_bytes
         )
     progress = [line for line in capfd.readouterr().err.splitlines() if "estimated" in line]
     assert sorted(line.split(":")[0] for line in progress) == sorted(
@@ -165,8 +164,8 @@ def test_value_dependent_shapes_are_unpredictable_and_the_trial_still_trains(tmp
     the trial itself trains and says why it has no prediction."""
     config = trial_configs(load_spec(faulty_spec(tmp_path, "value_dependent")))[0]
     prediction = estimate_peak(config, torch.device("cpu"))
-    assert list(prediction) == ["unpredictable"]
-    assert prediction["unpredictable"].startswith("DynamicOutputShapeException")
+    assert list(prediction.to_dict()) == ["unpredictable"]
+    assert prediction.reason.startswith("DynamicOutputShapeException")
     result = launch_trial(config, tmp_path / "trial", timeout_s=120)
     assert result.status == "ok", result.failure_reason
     assert "predicted_peak_bytes" not in result.metrics

@@ -8,12 +8,14 @@ training must equal what the memory window measured.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 
 from harness.spec import SpecError, parse_spec, trial_configs
 from harness.sweep.launch import launch_trial
 from harness.trial.estimate import closed_form
+from harness.trial.prediction import Prediction
 from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC, run_cli, write_spec
 
@@ -155,9 +157,9 @@ def test_bad_lora_options_are_one_line(lora, words):
 def test_closed_forms_of_lora_and_qlora():
     """16 B per trainable parameter with Adam; the frozen base at 2 B (bf16) or NF4's 0.516."""
     lora, qlora = trial_configs(parse_spec(llama_spec(["lora:8", "qlora:8"])))
-    counts = {"num_params": 1e6, "num_params_total": 101e6, "num_params_nf4": 0.0}
+    counts = Prediction(num_params=1e6, num_params_total=101e6, num_params_nf4=0.0)
     assert closed_form(lora, counts)["closed_form_model_state_bytes"] == 16e6 + 200e6
-    counts["num_params_nf4"] = 80e6
+    counts = replace(counts, num_params_nf4=80e6)
     expected = 16e6 + 80e6 * (0.5 + 1 / 64 + 4 / (64 * 256)) + 20e6 * 2
     assert closed_form(qlora, counts)["closed_form_model_state_bytes"] == pytest.approx(expected)
 

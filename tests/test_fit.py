@@ -93,7 +93,7 @@ def case_config(name: str) -> TrialConfig:
 
 def peak(config: TrialConfig, batch: int) -> float:
     """An independent prediction (a fresh estimate, not the search's cache)."""
-    return estimate_peak(at_value(config, "batch_size", batch), CPU)["predicted_peak_bytes"]
+    return estimate_peak(at_value(config, "batch_size", batch), CPU).peak_bytes
 
 
 @functools.cache
@@ -190,10 +190,10 @@ def test_one_built_model_predicts_each_batch_as_a_fresh_estimate_does(strategy):
         one_step = {batch: predictor.predict(batch) for batch in (12, 4, 8)}
     for batch, prediction in shared.items():
         fresh = estimate_peak(at_value(config, "batch_size", batch), CPU)
-        assert "predicted_peak_bytes" in fresh, fresh
+        assert fresh.peak_bytes is not None, fresh
         assert prediction == fresh, (strategy, batch)
         assert one_step[batch] == fresh, (strategy, batch)  # the fit search's shortcut
-    assert shared[4]["predicted_peak_bytes"] < shared[8]["predicted_peak_bytes"]
+    assert shared[4].peak_bytes < shared[8].peak_bytes
 
 
 def test_predictions_per_answer_stay_few():
@@ -228,7 +228,7 @@ def test_a_real_trial_at_the_answer_fits_and_at_the_next_allowed_batch_does_not(
         # gaps"; seen 0.12-0.19 MB on a 2-layer MLP, 4.5 MB on a 512-wide Llama, each below
         # the model's whole fp32 gradient). Here half a batch step (the budget's margin at b*)
         # is worth more than that whole gradient, so the variability cannot cross the budget.
-        tolerance = 4 * estimate_peak(config, CPU)["num_params_total"]
+        tolerance = 4 * estimate_peak(config, CPU).num_params_total
         assert between - low > tolerance, (between - low, tolerance)
     else:
         tolerance = 0  # single rank on CPU: the prediction is the trial's own tensor accounting
@@ -286,7 +286,7 @@ def test_three_sequence_lengths_predict_the_peak_at_any_length(name):
     config = case_config(name)
 
     def fresh(length: int) -> float:
-        return estimate_peak(at_value(config, "seq_len", length), CPU)["predicted_peak_bytes"]
+        return estimate_peak(at_value(config, "seq_len", length), CPU).peak_bytes
 
     curve = Curve(lambda v: predict_fresh(at_value(config, "seq_len", v), CPU, False), 1)
     for probe in (16, 32, 64):

@@ -190,7 +190,7 @@ def test_optuna_heartbeat_keeps_a_live_trial_and_fails_a_silent_one(tmp_path, mo
     study = plan.create_or_load("hb", lambda: storage, ["minimize"])
     live, silent = plan.new_trial(study), plan.new_trial(study)
     assert claim.claim_point(study, live, "live") and claim.claim_point(study, silent, "silent")
-    assert silent.study.trials[silent.number].user_attrs[claim.OPTUNA_BEAT_ATTR] is True
+    assert silent.study.trials[silent.number].user_attrs[claim.TrialAttr.OPTUNA_BEAT] is True
     with claim.heartbeat(live):
         time.sleep(2.5)  # the database clock ticks in whole seconds: > grace_s for sure
         assert claim.fail_stale_trials(study) == 1
@@ -252,8 +252,12 @@ def stop_session(sid: int, grace_s: float = 5.0) -> list[psutil.Process]:
 
 
 def the_study(storage: Any) -> Any:
-    """The one study of a fresh database."""
-    summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+    """The one sweep study of a fresh database (not its workers' parent-run election)."""
+    summaries = [
+        summary
+        for summary in optuna.get_all_study_summaries(storage, include_best_trial=False)
+        if not summary.study_name.endswith(":parent")  # plan.election_name
+    ]
     if not summaries:
         return None
     return optuna.load_study(study_name=summaries[0].study_name, storage=storage)

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from harness.spec import SpecError, parse_spec, points, trial_configs
-from harness.spec.grid import with_max_batch
-from harness.sweep.run import max_batch_entry, trial_label
+from harness.spec import SpecError, SweepPlan, parse_spec, points, trial_configs
+from harness.sweep.prepare import max_batch_entry
+from harness.sweep.progress import trial_label
 from harness.trial.config import KEYED_WHEN_SET, NOT_DEFINING
 from tests.conftest import BASE_SPEC, run_cli, write_spec
 
@@ -68,19 +68,22 @@ def test_bad_batch_entries_are_one_line_each():
 def test_each_point_trains_at_its_resolved_batch_and_keeps_max():
     spec = parse_spec(max_spec([8, "max"]), "s.yaml")
     found = {("tiny", "fp32", "none"): {"batch_size": 69, "search": "max within 64.00 KiB: 69"}}
-    resolved = with_max_batch(spec, found)
-    fixed, searched = trial_configs(resolved)
+    resolved = SweepPlan(spec).with_max_batch(found)
+    fixed, searched = resolved.configs
     assert (fixed.batch_size, fixed.batch_size_search) == (8, None)
     assert (searched.batch_size, searched.batch_size_search) == (69, "max within 64.00 KiB: 69")
-    assert points(resolved)[1]["batch_size"] == "max"  # the grid point (and search space) stays
-    assert trial_label(points(resolved)[1], searched) == "tiny bs=max:69 fp32 none"
+    assert resolved.points[1]["batch_size"] == "max"  # the grid point (and search space) stays
+    assert trial_label(resolved.points[1], searched) == "tiny bs=max:69 fp32 none"
+    assert spec.grid.batch_size == [8, "max"]  # the user's spec is as written
     # The found batch is in the key, how it was found is not.
     assert "batch_size_search" in NOT_DEFINING
     assert replace(searched, batch_size_search=None).trial_key == searched.trial_key
     assert replace(searched, batch_size=70).trial_key != searched.trial_key
     # A max that found a batch the grid also lists is that very trial, once.
-    same = with_max_batch(spec, {("tiny", "fp32", "none"): {"batch_size": 8, "search": "x"}})
-    assert [p["batch_size"] for p in points(same)] == [8]
+    same = SweepPlan(spec).with_max_batch(
+        {("tiny", "fp32", "none"): {"batch_size": 8, "search": "x"}}
+    )
+    assert [p["batch_size"] for p in same.points] == [8]
 
 
 def test_an_ordinary_specs_trial_key_is_what_it_was():

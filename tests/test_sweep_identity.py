@@ -105,11 +105,11 @@ def test_a_start_killed_before_the_study_named_its_run_is_adopted(tmp_path):
     assert not (tmp_path / "results").exists()  # a dry run writes nothing
     keys = [line.split()[1] for line in listed.stdout.splitlines() if "{'model_size'" in line]
     assert len(keys) == 2
-    from harness.spec import load_spec, on_hardware
+    from harness.spec import SweepPlan, load_spec
     from harness.sweep.plan import study_name
     from harness.trial.hardware import host_hardware
 
-    identity = study_name(on_hardware(load_spec(spec), host_hardware("cpu")))
+    identity = study_name(SweepPlan(load_spec(spec)).on_hardware(host_hardware("cpu")))
     tracker = Tracker(store(tmp_path), "orphan", tmp_path / "results" / "mlartifacts")
     orphan = tracker.open_sweep(None, "sweep orphan", {STUDY_TAG: identity}, {})
     done = sweep(tmp_path, spec)

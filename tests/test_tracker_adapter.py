@@ -116,11 +116,11 @@ def test_a_prediction_on_fake_tensors_is_the_same_both_ways(monkeypatch, name):
 
     def predict():
         with Predictor(config, CPU, steps_run=1, totals=True) as predictor:
-            moments = predictor.predict(config.batch_size)["totals"]
+            moments = predictor.predict(config.batch_size).totals
         return estimate_peak(config, CPU), estimate_peak(config, CPU, as_cuda=True), moments
 
     fast, public = both_ways(monkeypatch, predict)
-    assert "predicted_peak_bytes" in fast[0] and "predicted_reserved_bytes" in fast[1]
+    assert fast[0].peak_bytes is not None and fast[1].on_card is not None
     assert fast == public
 
 

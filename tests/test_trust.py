@@ -16,7 +16,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from harness.results import load
-from harness.spec import SpecError, on_hardware, parse_spec, trial_configs
+from harness.spec import SpecError, SweepPlan, parse_spec, trial_configs
 from harness.sweep import plan
 from harness.sweep.workers import check_gpus, gpus_for_worker
 from harness.trial.hardware import cpu_name, host_hardware
@@ -30,13 +30,13 @@ H200 = {"device": "cuda", "device_name": "NVIDIA H200"}
 def test_the_hardware_is_part_of_every_trials_identity():
     spec = parse_spec(copy.deepcopy(BASE_SPEC), "s.yaml")
     (unprobed,) = trial_configs(spec)
-    (on_cpu,) = trial_configs(on_hardware(spec, CPU))
-    (on_gpu,) = trial_configs(on_hardware(spec, H200))
+    (on_cpu,) = SweepPlan(spec).on_hardware(CPU).configs
+    (on_gpu,) = SweepPlan(spec).on_hardware(H200).configs
     assert on_cpu.device == "cpu" and on_gpu.device == "cuda"  # resolved, not "auto"
     assert on_gpu.hardware == H200
     assert len({unprobed.trial_key, on_cpu.trial_key, on_gpu.trial_key}) == 3
-    other_cpu = on_hardware(spec, {**CPU, "device_name": "Another CPU"})
-    assert trial_configs(other_cpu)[0].trial_key != on_cpu.trial_key
+    other_cpu = SweepPlan(spec).on_hardware({**CPU, "device_name": "Another CPU"})
+    assert other_cpu.configs[0].trial_key != on_cpu.trial_key
     # The world size is the strategy's, part of the key already.
     assert on_gpu.world_size == 1 and "strategy" in on_gpu.to_dict()
 
@@ -50,13 +50,13 @@ def test_this_host_resolves_auto_without_torch_on_a_cpu_machine():
 def test_a_spec_swept_on_other_hardware_is_a_new_sweep(tmp_path):
     data = {**copy.deepcopy(BASE_SPEC), "tracking": {"storage": f"sqlite:///{tmp_path}/o.db"}}
     spec = parse_spec(data, "s.yaml")
-    first = plan.open_study(on_hardware(spec, CPU))
+    first = plan.open_study(SweepPlan(spec).on_hardware(CPU))
     first.enqueue_trial({"model_size": "tiny", "batch_size": 32, "dtype": "fp32"})
     first.ask()
-    assert plan.swept_elsewhere(first, on_hardware(spec, CPU)) is None  # resuming it
-    second = plan.open_study(on_hardware(spec, H200))
+    assert plan.swept_elsewhere(first, SweepPlan(spec).on_hardware(CPU)) is None  # resuming it
+    second = plan.open_study(SweepPlan(spec).on_hardware(H200))
     assert second.study_name != first.study_name
-    assert plan.swept_elsewhere(second, on_hardware(spec, H200)) == "cpu (Some CPU)"
+    assert plan.swept_elsewhere(second, SweepPlan(spec).on_hardware(H200)) == "cpu (Some CPU)"
 
 
 def test_workers_get_gpus_of_their_own_and_too_many_are_refused():

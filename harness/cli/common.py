@@ -60,15 +60,29 @@ class SpecAwareGroup(click.Group):
             ctx.exit(2)
 
 
+def choice_option(
+    *decls: str, choices: Sequence[str], default: str, help: str | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An option that takes one of ``choices``, its default shown in ``--help``: the shape of
+    ``--format`` and of fit's ``--axis`` and ``--device``, said once."""
+    return click.option(
+        *decls, type=click.Choice(choices), default=default, show_default=True, help=help
+    )
+
+
+def positive_int_option(
+    *decls: str, help: str
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An optional whole number of at least 1 (None when not given: the command's own default,
+    which ``help`` says), such as fit's ``--max`` and ``--jobs``."""
+    return click.option(*decls, type=click.IntRange(min=1), default=None, help=help)
+
+
 def format_option(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--format table|csv|json`` (into ``fmt``): a table for people, raw numbers for tools."""
-    return click.option(
-        "--format",
-        "fmt",
-        type=click.Choice(("table", "csv", "json")),
-        default="table",
-        show_default=True,
-    )(command)
+    return choice_option("--format", "fmt", choices=("table", "csv", "json"), default="table")(
+        command
+    )
 
 
 def tracking_uri_option(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -11,13 +11,16 @@ import click
 
 from harness.cli.common import (
     card_options,
+    choice_option,
     emit,
     format_option,
     make_console,
+    positive_int_option,
     prediction_target,
     print_table,
 )
 from harness.spec import SpecError, load_spec, with_card
+from harness.trial.prediction import Prediction
 from harness.units import format_bytes, parse_bytes
 
 
@@ -42,7 +45,7 @@ def budgets_option(text: str | None, spec: Any, source: Path) -> list[int]:
 
 def cell(row: Any, axis: str) -> str:
     """A matrix cell: the largest value that fits, or why there is none."""
-    if row.get("refused") or row.get("unpredictable"):
+    if not Prediction.from_dict(row).ok:
         return "not predicted"
     value = row.get("value")
     if value is None or value != value:
@@ -62,33 +65,27 @@ def cell(row: Any, axis: str) -> str:
     help="Memory budgets to fit, e.g. 24GiB,80GiB,141GiB (default: the spec's device_memory, "
     "else the card's memory). On CUDA each budget holds the device figure: reserved + context.",
 )
-@click.option(
+@choice_option(
     "--axis",
-    type=click.Choice(["batch_size", "seq_len"]),
+    choices=["batch_size", "seq_len"],
     default="batch_size",
-    show_default=True,
     help="What to make as large as fits (the grid's other axes stay).",
 )
-@click.option(
+@positive_int_option(
     "--max",
     "maximum",
-    type=click.IntRange(min=1),
-    default=None,
     help="The largest value to try (default 4096 for the batch, also at most the dataset's "
     "training split; 131072 for seq_len).",
 )
 @format_option
-@click.option(
+@choice_option(
     "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
+    choices=["auto", "cpu", "cuda"],
     default="auto",
-    show_default=True,
     help="Predict for this device's allocator (cuda works without a GPU).",
 )
-@click.option(
+@positive_int_option(
     "--jobs",
-    type=click.IntRange(min=1),
-    default=None,
     help="Search processes at once, each taking the next configuration not yet taken (default: "
     "one per CPU core; each holds one fake model, ~1 GB for an 8B one).",
 )

@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 from harness.cli.common import card_options, emit, format_option, prediction_target
-from harness.spec import load_spec, points, with_card
+from harness.spec import SweepPlan, load_spec, points, with_card
+from harness.trial.prediction import Prediction
 from harness.units import format_bytes
 
 
@@ -67,15 +68,16 @@ def estimate(
     allocator's segments, its rules replayed on the step's allocations) and device (reserved +
     the CUDA context + NCCL buffers); fits is judged on the device figure."""
     from harness.sweep.estimate import EstimateError, estimate_grid
-    from harness.sweep.run import max_batch_lines, resolve_max_batch
+    from harness.sweep.prepare import resolve_max_batch
+    from harness.sweep.progress import max_batch_lines
 
     spec = with_card(load_spec(spec_path), card, str(cards_file) if cards_file else None)
     target = prediction_target(spec, device)
-    spec = resolve_max_batch(spec, target)  # grid.batch_size: max, for this target
-    for line in max_batch_lines(spec):
+    sweep = resolve_max_batch(SweepPlan(spec), target)  # grid.batch_size: max, for this target
+    for line in max_batch_lines(sweep):
         click.echo(line, err=True)
     try:
-        frame = estimate_grid(spec, target)
+        frame = estimate_grid(sweep, target)
     except EstimateError as error:
         raise click.ClickException(str(error)) from None
     emit(frame, fmt, lambda: show_estimate(frame, spec, target))
@@ -137,9 +139,9 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     reasons: list[str] = []
     for _, row in frame.iterrows():
         cells = [estimate_cell(column, row[column]) for column in columns]
-        why = [row[c] for c in ("refused", "unpredictable") if isinstance(row.get(c), str)]
-        if why:
-            reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {'; '.join(why)}")
+        prediction = Prediction.from_dict(row)
+        if not prediction.ok:
+            reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {prediction.reason}")
             cells[columns.index("strategy")] += f" [{len(reasons)}]"
         rows.append(cells)
     console = make_console()

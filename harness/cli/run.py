@@ -15,8 +15,9 @@ from rich.markup import escape
 from harness.cli.common import HEADINGS, make_console, noise_footnote, table_text
 from harness.contract import AXES, LAUNCH_ENV, MANAGED_WORKER_ENV, STORAGE_ENV, TRACKING_ENV
 from harness.record.stores import redact
-from harness.spec import Spec, SpecError, load_spec, on_hardware, points, trial_config
+from harness.spec import Spec, SpecError, SweepPlan, load_spec, points
 from harness.spec.schema import LAUNCHERS
+from harness.sweep.launcher import LaunchOutcome, LaunchRequest
 
 
 class RetryChoice(click.Choice):
@@ -132,15 +133,16 @@ def sweep(
 
         hardware = host_hardware(spec.device)
         console.print(f"hardware: {describe_hardware(hardware)} (part of each trial_key)")
-        spec = on_hardware(spec, hardware)
-        from harness.sweep.run import max_batch_lines, resolve_max_batch
+        from harness.sweep.prepare import resolve_max_batch
+        from harness.sweep.progress import max_batch_lines
 
-        spec = resolve_max_batch(spec)  # as the sweep does: the found batches are in the keys
-        for line in max_batch_lines(spec):
+        # as the sweep does: the host's hardware and the found batches are in the keys
+        sweep = resolve_max_batch(SweepPlan(spec).on_hardware(hardware))
+        for line in max_batch_lines(sweep):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
-        recorded, note = recorded_before(spec)
-        for index, point in enumerate(points(spec), start=1):
-            config = trial_config(spec, point)
+        recorded, note = recorded_before(sweep)
+        for index, point in enumerate(sweep.points, start=1):
+            config = sweep.trial_config(point)
             searched = f"max:{config.batch_size}"  # the found batch, as progress lines show it
             shown = {**point, "batch_size": searched} if config.batch_size_search else point
             status = recorded.get(config.trial_key)
@@ -149,24 +151,16 @@ def sweep(
         console.print(note, soft_wrap=True, highlight=False, markup=False)
         return
     stop_on_sigterm()
-    if remote:
-        launch_on_cluster(spec, console, wait)
-        return
+    from harness.sweep.launchers import launcher_for
+
+    chosen = launcher_for(spec.launcher.name, workers)
+    request = LaunchRequest(spec, console, fresh, n_trials, retry, workers, wait)
     try:
-        if workers > 1:
-            from harness.sweep.workers import run_with_workers
-
-            outcome = run_with_workers(spec, console, fresh, workers, retry)
-        else:
-            from harness.sweep.run import run_sweep
-
-            outcome = run_sweep(spec, console, fresh=fresh, more_trials=n_trials, retry=retry)
+        outcome = chosen.launch(request)
     except KeyboardInterrupt as stop:
-        stopped(console, stop, "run the same command to resume")
-    counts = print_summary(
-        console, spec.experiment, spec.tracking.mlflow_uri, outcome.parent_run_id
-    )
-    exit_for_failures(console, counts)
+        hint = chosen.resume_hint
+        stopped(console if hint else None, stop, hint or "")
+    report(console, outcome)
 
 
 class Terminated(KeyboardInterrupt):
@@ -194,16 +188,16 @@ def stopped(console: Console | None, stop: KeyboardInterrupt, resume: str) -> No
     sys.exit(exit_code(stop))
 
 
-def recorded_before(spec: Spec) -> tuple[dict[str, str], str]:
+def recorded_before(sweep: SweepPlan) -> tuple[dict[str, str], str]:
     """``--dry-run``: the points MLflow already holds for this sweep (``trial_key -> status``)
     and a line saying how many will run, read without writing to any store."""
     from harness.record.store_checks import first_line
     from harness.record.tracking import recorded_for
     from harness.sweep.plan import study_name
 
-    total = len(points(spec))
+    spec, total = sweep.spec, len(sweep.points)
     try:
-        recorded = recorded_for(spec.tracking.mlflow_uri, spec.experiment, study_name(spec))
+        recorded = recorded_for(spec.tracking.mlflow_uri, spec.experiment, study_name(sweep))
     except Exception as error:  # a dry run still lists the plan; it says what it could not read
         return {}, (
             f"{total} point(s); which are recorded is unknown: cannot read "
@@ -245,25 +239,10 @@ def check_remote_options(
             )
 
 
-def launch_on_cluster(spec: Spec, console: Console, wait: bool) -> None:
-    """``--launcher slurm|ray``: submit, and (waiting) summarise like a local sweep."""
-    try:
-        if spec.launcher.name == "slurm":
-            from harness.sweep.slurm import launch
-
-            outcome = launch(spec, console, wait)
-        else:
-            from harness.sweep.ray_launcher import launch as launch_ray
-
-            outcome = launch_ray(spec, console)
-    except KeyboardInterrupt as stop:
-        if spec.launcher.name == "ray":  # Slurm's jobs go on: the launcher said so
-            stopped(
-                console,
-                stop,
-                "the Ray workers stop with this driver; launch again to go on",
-            )
-        sys.exit(exit_code(stop))
+def report(console: Console, outcome: LaunchOutcome) -> None:
+    """What a launch recorded, the same for every launcher: a summary per parent run (one per
+    hardware its workers ran on) and the exit status; for a launch not waited for, how to
+    follow it."""
     if not outcome.waited:
         for hint in outcome.hints:
             console.print(hint, soft_wrap=True, highlight=False, markup=False)

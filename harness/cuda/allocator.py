@@ -29,7 +29,7 @@ import time
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 MiB = 1024 * 1024
 
@@ -630,6 +630,27 @@ class _Pool:
         self.calls = 0  # get_free_blocks_call_count
 
 
+class _Counter:
+    """A read-only statistic of :class:`CachingAllocator` that reads one of its private
+    counters (``allocated_bytes`` reads ``_allocated``): one line a statistic, not a property
+    each. Assigning to it raises ``AttributeError``, as a property without a setter does."""
+
+    __slots__ = ("attr",)
+
+    def __init__(self, attr: str) -> None:
+        self.attr = attr
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Counter: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> int: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> int | _Counter:
+        return self if obj is None else getattr(obj, self.attr)
+
+    def __set__(self, obj: object, value: int) -> None:
+        raise AttributeError(f"read-only: the allocator keeps {self.attr} itself")
+
+
 def _align(n: int) -> int:
     return (n + _SEGMENT_ALIGN - 1) // _SEGMENT_ALIGN * _SEGMENT_ALIGN
 
@@ -759,16 +780,9 @@ class CachingAllocator:
             split = rsize < self._max_split and remaining > kSmallSize
         if split:
             rest = _Block(block.addr + rsize, remaining, stream, small, block.seg)
-            nxt = block.next
-            rest.prev = block
-            rest.next = nxt
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
+            self._link_after(block, rest)
             block.size = rsize
-            self._by_addr[rest.addr] = rest
-            rest.gc_base = pool.calls
-            insort(pool.blocks, (stream, remaining, rest.addr))
+            self._cache(rest, pool)
         block.allocated = True
         block.requested = size
         allocated = self._allocated + block.size
@@ -793,14 +807,8 @@ class CachingAllocator:
         self._requested -= block.requested
         block.requested = 0
         pool = self._small if block.small else self._large
-        prev = block.prev
-        if prev is not None and not prev.allocated and prev.mapped:
-            self._merge(block, prev, pool)
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.mapped:
-            self._merge(block, nxt, pool)
-        block.gc_base = pool.calls
-        insort(pool.blocks, (block.stream, block.size, block.addr))
+        self._merge_free_neighbours(block, pool)
+        self._cache(block, pool)
 
     def empty_cache(self) -> None:
         """``emptyCache`` -> ``release_cached_blocks``: cudaFree every free unsplit segment and
@@ -817,39 +825,21 @@ class CachingAllocator:
 
     # -- statistics ---------------------------------------------------------------------------
 
-    @property
-    def allocated_bytes(self) -> int:
-        """``allocated_bytes.all.current``: rounded sizes of allocated blocks."""
-        return self._allocated
-
-    @property
-    def requested_bytes(self) -> int:
-        """``requested_bytes.all.current``: the sizes asked for, before rounding."""
-        return self._requested
-
-    @property
-    def reserved_bytes(self) -> int:
-        """``reserved_bytes.all.current``: cudaMalloc'd segments plus mapped expandable pages."""
-        return self._reserved
-
-    @property
-    def peak_allocated_bytes(self) -> int:
-        return self._peak_allocated
-
-    @property
-    def peak_reserved_bytes(self) -> int:
-        return self._peak_reserved
-
+    # ``allocated_bytes.all.current``: rounded sizes of allocated blocks.
+    allocated_bytes = _Counter("_allocated")
+    # ``requested_bytes.all.current``: the sizes asked for, before rounding.
+    requested_bytes = _Counter("_requested")
+    # ``reserved_bytes.all.current``: cudaMalloc'd segments plus mapped expandable pages.
+    reserved_bytes = _Counter("_reserved")
+    peak_allocated_bytes = _Counter("_peak_allocated")
+    peak_reserved_bytes = _Counter("_peak_reserved")
     # ``active_bytes``: allocated plus blocks freed while another stream still uses them; with
     # no record_stream events in a replay, the same as allocated.
     active_bytes = allocated_bytes
     peak_active_bytes = peak_allocated_bytes
-
-    @property
-    def fragmentation_bytes(self) -> int:
-        """Reserved minus allocated when the peak reservation was reached (measured as the call
-        that raised the peak returned, its own block counted)."""
-        return self._fragmentation
+    # Reserved minus allocated when the peak reservation was reached (measured as the call that
+    # raised the peak returned, its own block counted).
+    fragmentation_bytes = _Counter("_fragmentation")
 
     @property
     def fragmentation_share(self) -> float:
@@ -936,12 +926,7 @@ class CachingAllocator:
         if expandable:
             prev_link, next_link, seg = self._carve_expandable(address, size, stream, small, pool)
         else:
-            for other in self._segments.values():
-                if address < other.base + other.size and other.base < address + size:
-                    raise ValueError(
-                        f"add_segment: [{address:#x}, {address + size:#x}) overlaps the segment "
-                        f"at {other.base:#x}"
-                    )
+            self._refuse_overlap(address, size, f"[{address:#x}, {address + size:#x})")
             seg = _Segment(address, size, stream, small, False, 0)
             self._segments[address] = seg
             prev_link = next_link = None
@@ -969,19 +954,10 @@ class CachingAllocator:
             previous.next = next_link
         if next_link is not None:
             next_link.prev = previous
-        for block in pieces:
-            if block.allocated:
-                continue
-            for neighbour in (block.prev, block.next):
-                if (
-                    neighbour is not None
-                    and neighbour not in pieces
-                    and neighbour.mapped
-                    and not neighbour.allocated
-                ):
-                    self._merge(block, neighbour, pool)
-            block.gc_base = pool.calls
-            insort(pool.blocks, (stream, block.size, block.addr))
+        for block in pieces:  # a free piece's neighbours among the pieces are allocated
+            if not block.allocated:
+                self._merge_free_neighbours(block, pool)
+                self._cache(block, pool)
         allocated = sum(s for _, s in blocks)
         self._allocated += allocated
         self._requested += allocated
@@ -1253,6 +1229,51 @@ class CachingAllocator:
         self.num_device_free += 1
         self._decisions.append(Decision(SEGMENT_FREE, block.addr, block.size, block.stream))
 
+    def _refuse_overlap(self, base: int, size: int, what: str) -> None:
+        """``ValueError`` naming ``what`` when [base, base+size) overlaps a segment the model
+        holds (a recorded segment to adopt, or the range of a new expandable one)."""
+        for other in self._segments.values():
+            if base < other.base + other.size and other.base < base + size:
+                raise ValueError(f"add_segment: {what} overlaps the segment at {other.base:#x}")
+
+    def _link_after(self, block: _Block, new: _Block) -> None:
+        """Put ``new`` right after ``block`` in its segment's chain and index it by address (a
+        split's upper part, or what stays of a range when its first pages are (un)mapped)."""
+        after = block.next
+        new.prev = block
+        new.next = after
+        if after is not None:
+            after.prev = new
+        block.next = new
+        self._by_addr[new.addr] = new
+
+    def _link_before(self, block: _Block, new: _Block) -> None:
+        """Put ``new`` right before ``block`` in its segment's chain and index it by address."""
+        before = block.prev
+        new.prev = before
+        if before is not None:
+            before.next = new
+        new.next = block
+        block.prev = new
+        self._by_addr[new.addr] = new
+
+    @staticmethod
+    def _cache(block: _Block, pool: _Pool) -> None:
+        """A free mapped block joins its pool's best-fit list (stream, size, address); its
+        garbage-collection age counts from now."""
+        block.gc_base = pool.calls
+        insort(pool.blocks, (block.stream, block.size, block.addr))
+
+    def _merge_free_neighbours(self, block: _Block, pool: _Pool, mapped: bool = True) -> None:
+        """``try_merge_blocks`` with the block before, then the one after: each that is free and
+        of ``block``'s mapped state (``mapped``) is absorbed into ``block``."""
+        before = block.prev
+        if before is not None and not before.allocated and before.mapped == mapped:
+            self._merge(block, before, pool)
+        after = block.next
+        if after is not None and not after.allocated and after.mapped == mapped:
+            self._merge(block, after, pool)
+
     def _merge(self, dst: _Block, src: _Block, pool: _Pool) -> None:
         """``try_merge_blocks`` once its checks passed: ``dst`` absorbs its neighbour ``src``
         (a free block of the same mapped state), which leaves its pool list."""
@@ -1294,12 +1315,7 @@ class CachingAllocator:
         if base is None:
             base = _align(self._next_addr)
         else:
-            for other in self._segments.values():
-                if base < other.base + other.size and other.base < base + size:
-                    raise ValueError(
-                        f"add_segment: expandable range at {base:#x} overlaps the segment at "
-                        f"{other.base:#x}"
-                    )
+            self._refuse_overlap(base, size, f"expandable range at {base:#x}")
         self._next_addr = max(self._next_addr, _align(base + size))
         seg = _Segment(base, size, stream, small, True, page)
         self._segments[base] = seg
@@ -1366,24 +1382,12 @@ class CachingAllocator:
         block.mapped = True
         if nbytes < block.size:
             rest = _Block(block.addr + nbytes, block.size - nbytes, stream, block.small, seg, False)
-            nxt = block.next
-            rest.prev = block
-            rest.next = nxt
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
+            self._link_after(block, rest)
             block.size = nbytes
-            self._by_addr[rest.addr] = rest
             insort(unmapped, (stream, rest.addr))
         mapped_at = block.addr
-        before = block.prev
-        if before is not None and not before.allocated and before.mapped:
-            self._merge(block, before, pool)
-        after = block.next
-        if after is not None and not after.allocated and after.mapped:
-            self._merge(block, after, pool)
-        block.gc_base = pool.calls
-        insort(pool.blocks, (stream, block.size, block.addr))
+        self._merge_free_neighbours(block, pool)
+        self._cache(block, pool)
         seg.mapped += nbytes
         self._add_reserved(nbytes)
         self.num_device_alloc += 1
@@ -1408,37 +1412,20 @@ class CachingAllocator:
         before_size = start - block.addr
         if before_size > 0:
             head = _Block(block.addr, before_size, stream, block.small, seg)
-            head.prev = block.prev
-            if head.prev is not None:
-                head.prev.next = head
-            head.next = block
-            block.prev = head
-            by_addr[head.addr] = head
-            head.gc_base = pool.calls
-            insort(blocks, (stream, before_size, head.addr))
+            self._link_before(block, head)
+            self._cache(head, pool)
         after_size = block.size - before_size - nbytes
         if after_size > 0:
             tail = _Block(start + nbytes, after_size, stream, block.small, seg)
-            tail.next = block.next
-            if tail.next is not None:
-                tail.next.prev = tail
-            tail.prev = block
-            block.next = tail
-            by_addr[tail.addr] = tail
-            tail.gc_base = pool.calls
-            insort(blocks, (stream, after_size, tail.addr))
+            self._link_after(block, tail)
+            self._cache(tail, pool)
         if before_size <= 0:
             del by_addr[block.addr]
         block.addr = start
         block.size = nbytes
         block.mapped = False
         by_addr[start] = block
-        before = block.prev
-        if before is not None and not before.allocated and not before.mapped:
-            self._merge(block, before, pool)
-        after = block.next
-        if after is not None and not after.allocated and not after.mapped:
-            self._merge(block, after, pool)
+        self._merge_free_neighbours(block, pool, mapped=False)
         insort(pool.unmapped, (stream, block.addr))
         seg.mapped -= nbytes
         self._reserved -= nbytes

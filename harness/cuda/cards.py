@@ -125,21 +125,16 @@ def _card(
     peak_source: str = PEAKS,
     vendor: str = "nvidia",
 ) -> Card:
+    """A catalogue row as a Card: the row is Card's fields in Card's order (memory in MiB, as
+    torch prints it), then where its numbers come from."""
+    sources = {
+        "memory_bytes, compute_capability, sms": memory_source,
+        "peak_tflops, bandwidth_tbs, interconnect": peak_source,
+        "context": "assumption (harness.cuda.cards.context_assumption)",
+    }
+    memory = int(mib * MIB)
     return Card(
-        name=name,
-        device_name=device_name,
-        memory_bytes=int(mib * MIB),
-        compute_capability=cc,
-        sms=sms,
-        peak_tflops=peaks,
-        bandwidth_tbs=bandwidth,
-        interconnect=interconnect,
-        vendor=vendor,
-        sources={
-            "memory_bytes, compute_capability, sms": memory_source,
-            "peak_tflops, bandwidth_tbs, interconnect": peak_source,
-            "context": "assumption (harness.cuda.cards.context_assumption)",
-        },
+        name, device_name, memory, cc, sms, peaks, bandwidth, interconnect, vendor, sources=sources
     )
 
 

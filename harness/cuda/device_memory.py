@@ -104,56 +104,51 @@ def replay(
     return allocator
 
 
-def device_memory(
-    history: Sequence[tuple[int, int]],
-    window: Sequence[tuple[int, int]],
-    config: AllocatorConfig,
-    card: Card,
-    world_size: int,
-    budget: int | None,
-) -> DeviceMemory:
-    """Reserved and device bytes of the replayed step on ``card``, judged against ``budget``
-    (bytes the device may use in all: the card's memory or a smaller ``device_memory``)."""
-    unbounded = _figures(replay(history, window, config), card, world_size, budget)
-    # Over the budget (fits is False only where there is one): the real allocator frees its
-    # cache and retries before an OOM.
-    if budget is not None and unbounded.fits is False:
-        return capped(history, window, config, card, world_size, budget) or unbounded
-    return unbounded
+@dataclass(frozen=True)
+class Replayable:
+    """A predicted step as the card's allocator would see it: ``history`` (what ran before the
+    measured window), the ``window``, the allocator ``config``, the ``card`` and the ranks
+    (``world_size``). Kept whole so a fit search can judge it against other budgets later
+    (``harness.trial.estimate.REPLAY``) without predicting it again."""
 
+    history: Sequence[tuple[int, int]]
+    window: Sequence[tuple[int, int]]
+    config: AllocatorConfig
+    card: Card
+    world_size: int
 
-def capped(
-    history: Sequence[tuple[int, int]],
-    window: Sequence[tuple[int, int]],
-    config: AllocatorConfig,
-    card: Card,
-    world_size: int,
-    budget: int,
-) -> DeviceMemory | None:
-    """The step replayed with cudaMalloc capped at what ``budget`` leaves beside the context
-    and NCCL: freeing the cache and retrying where it runs out; None when even so it does
-    not fit (an OOM on the card)."""
-    room = budget - card.context - nccl_bytes(card, world_size)
-    if room <= 0:
-        return None
-    try:
-        allocator = replay(history, window, config, capacity=room)
-    except OutOfMemory:
-        return None
-    return _figures(allocator, card, world_size, budget)
+    def device_memory(self, budget: int | None) -> DeviceMemory:
+        """Reserved and device bytes of the replayed step, judged against ``budget`` (bytes
+        the device may use in all: the card's memory or a smaller ``device_memory``)."""
+        unbounded = self._figures(replay(self.history, self.window, self.config), budget)
+        # Over the budget (fits is False only where there is one): the real allocator frees its
+        # cache and retries before an OOM.
+        if budget is not None and unbounded.fits is False:
+            return self.capped(budget) or unbounded
+        return unbounded
 
+    def capped(self, budget: int) -> DeviceMemory | None:
+        """The step replayed with cudaMalloc capped at what ``budget`` leaves beside the context
+        and NCCL: freeing the cache and retrying where it runs out; None when even so it does
+        not fit (an OOM on the card)."""
+        room = budget - self.card.context - nccl_bytes(self.card, self.world_size)
+        if room <= 0:
+            return None
+        try:
+            allocator = replay(self.history, self.window, self.config, capacity=room)
+        except OutOfMemory:
+            return None
+        return self._figures(allocator, budget)
 
-def _figures(
-    allocator: CachingAllocator, card: Card, world_size: int, budget: int | None
-) -> DeviceMemory:
-    context, nccl = card.context, nccl_bytes(card, world_size)
-    reserved = allocator.peak_reserved_bytes
-    return DeviceMemory(
-        allocated=allocator.peak_allocated_bytes,
-        reserved=reserved,
-        context=context,
-        nccl=nccl,
-        fragmentation=reserved - allocator.peak_allocated_bytes,
-        alloc_retries=allocator.num_alloc_retries,
-        fits=None if budget is None else reserved + context + nccl <= budget,
-    )
+    def _figures(self, allocator: CachingAllocator, budget: int | None) -> DeviceMemory:
+        context, nccl = self.card.context, nccl_bytes(self.card, self.world_size)
+        reserved = allocator.peak_reserved_bytes
+        return DeviceMemory(
+            allocated=allocator.peak_allocated_bytes,
+            reserved=reserved,
+            context=context,
+            nccl=nccl,
+            fragmentation=reserved - allocator.peak_allocated_bytes,
+            alloc_retries=allocator.num_alloc_retries,
+            fits=None if budget is None else reserved + context + nccl <= budget,
+        )

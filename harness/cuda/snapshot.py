@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeAlias, TypeVar
 
 from harness.cuda.allocator import (
     SEGMENT_ALLOC,
@@ -190,16 +190,24 @@ class RecordedBlock:
     allocated: bool  # active_allocated or active_pending_free: not reusable
 
 
+BlockT = TypeVar("BlockT")
+
+
 @dataclass(frozen=True)
-class RecordedSegment:
-    """A segment of the final state (for an expandable segment: one contiguous mapped range)."""
+class Segment(Generic[BlockT]):
+    """A segment (for an expandable segment: one contiguous mapped range) and its blocks: the
+    final state's as the snapshot lists them (``RecordedSegment``), or the state at the
+    trace's first event that the backward walk rebuilds (``StartSegment``)."""
 
     address: int
     size: int
     stream: int
     small: bool
     expandable: bool
-    blocks: tuple[RecordedBlock, ...]
+    blocks: tuple[BlockT, ...]
+
+
+RecordedSegment: TypeAlias = Segment[RecordedBlock]
 
 
 @dataclass(frozen=True)
@@ -355,16 +363,7 @@ class StartBlock:
     requested: int
 
 
-@dataclass(frozen=True)
-class StartSegment:
-    """A segment (or an expandable segment's mapped range) at the first event."""
-
-    address: int
-    size: int
-    stream: int
-    small: bool
-    expandable: bool
-    blocks: tuple[StartBlock, ...]
+StartSegment: TypeAlias = Segment[StartBlock]
 
 
 @dataclass(frozen=True)
@@ -457,13 +456,16 @@ class _Live:
         del self.order[bisect_left(self.order, address)]
         return True
 
-    def drop_between(self, start: int, end: int) -> int:
-        """Forget the blocks in [start, end); how many there were."""
+    def drop_new_range(self, start: int, end: int, problems: Counter[str]) -> None:
+        """Forget the blocks in [start, end), a range the event being undone created (a
+        segment_alloc or segment_map): before it, no block there can have been alive, so each
+        one found is counted in ``problems``."""
         i, j = bisect_left(self.order, start), bisect_left(self.order, end)
         for address in self.order[i:j]:
             del self.blocks[address]
         del self.order[i:j]
-        return j - i
+        if j > i:
+            problems["blocks alive in a segment before it was allocated"] += j - i
 
 
 def rebuild_start(recording: Recording) -> StartState:
@@ -502,9 +504,7 @@ def rebuild_start(recording: Recording) -> StartState:
                 problems["segment_alloc of a segment the end state and later frees lack"] += 1
                 continue
             ranges.remove(seg)
-            dropped = live.drop_between(seg.addr, seg.end)
-            if dropped:
-                problems["blocks alive in a segment before it was allocated"] += dropped
+            live.drop_new_range(seg.addr, seg.end, problems)
         elif action == SEGMENT_FREE:
             if event.size <= 0 or ranges.overlaps(event.addr, event.size):
                 problems["segment_free of a segment that overlaps another"] += 1
@@ -515,9 +515,7 @@ def rebuild_start(recording: Recording) -> StartState:
             if not _unmap_range(ranges, event.addr, event.size):
                 problems["segment_map of a range not mapped later"] += 1
                 continue
-            dropped = live.drop_between(event.addr, event.addr + event.size)
-            if dropped:
-                problems["blocks alive in a segment before it was allocated"] += dropped
+            live.drop_new_range(event.addr, event.addr + event.size, problems)
         elif action == SEGMENT_UNMAP:
             if event.size <= 0 or ranges.overlaps(event.addr, event.size):
                 problems["segment_unmap of a range that overlaps a mapped one"] += 1
@@ -747,6 +745,31 @@ class Replayed:
     mismatches: tuple[Mismatch, ...] = ()
 
 
+@dataclass
+class _Tally:
+    """How often the model's segment decision for an alloc equals the card's (``compare``),
+    with the first ``keep`` mismatches."""
+
+    keep: int
+    segment_matched: int = 0
+    segment_total: int = 0
+    alloc_matched: int = 0
+    alloc_total: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    def add(self, event: Event, recorded: str, predicted: str) -> None:
+        """One alloc: every alloc counts; those where either side made a segment also count
+        as segment decisions."""
+        same = recorded == predicted
+        self.alloc_total += 1
+        self.alloc_matched += same
+        if recorded != "cache" or predicted != "cache":
+            self.segment_total += 1
+            self.segment_matched += same
+            if not same and len(self.mismatches) < self.keep:
+                self.mismatches.append(Mismatch(event.index, event.size, recorded, predicted))
+
+
 ProgressCallback = Callable[[int, int], None]
 
 
@@ -827,8 +850,8 @@ def replay(
         placement = _Placement.of(model, start, settings)
     unserved: set[int] = set()
     pending: list[Event] = []  # the card's segment events since the previous alloc
-    seg_matched = seg_total = all_matched = all_total = releases = 0
-    mismatches: list[Mismatch] = []
+    releases = 0
+    tally = _Tally(keep_mismatches)
     events = recording.events
     total = len(events)
     previous = ""
@@ -849,15 +872,7 @@ def replay(
                 where[event.addr] = address
                 predicted = _decision((d.kind, d.size) for d in model.last_decisions)
             if compare:
-                recorded = _decision((e.action, e.size) for e in pending)
-                all_total += 1
-                same = recorded == predicted
-                all_matched += same
-                if recorded != "cache" or predicted != "cache":
-                    seg_total += 1
-                    seg_matched += same
-                    if not same and len(mismatches) < keep_mismatches:
-                        mismatches.append(Mismatch(event.index, event.size, recorded, predicted))
+                tally.add(event, _decision((e.action, e.size) for e in pending), predicted)
             pending.clear()
         elif action == FREE_COMPLETED:
             address = where.pop(event.addr, None)
@@ -890,11 +905,11 @@ def replay(
         ooms=model.num_ooms,
         releases=releases,
         unadopted=unadopted,
-        segment_decisions_matched=seg_matched,
-        segment_decisions_total=seg_total,
-        alloc_decisions_matched=all_matched,
-        alloc_decisions_total=all_total,
-        mismatches=tuple(mismatches),
+        segment_decisions_matched=tally.segment_matched,
+        segment_decisions_total=tally.segment_total,
+        alloc_decisions_matched=tally.alloc_matched,
+        alloc_decisions_total=tally.alloc_total,
+        mismatches=tuple(tally.mismatches),
     )
 
 

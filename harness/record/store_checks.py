@@ -166,19 +166,23 @@ def sqlite_read(path: Path, quick_check: bool) -> tuple[set[str], str]:
 
 
 def sqlite_problem(
-    path: Path,
+    url: str,
     tables: frozenset[str],
     what: str,
     damaged: str,
     reading: bool,
     thorough: bool = False,
 ) -> str | None:
-    """Why the SQLite file ``path`` cannot serve as ``what`` (whose ``tables`` it must hold once
-    it has any): not SQLite, cut short, damaged (``damaged`` says what to do), or another
-    program's database. A missing or empty file is a new store, unless ``reading``.
-    ``thorough``: SQLite's quick_check whatever the file's size."""
+    """Why the SQLite file of ``url`` (``sqlite:///PATH``) cannot serve as ``what`` (whose
+    ``tables`` it must hold once it has any): not SQLite, cut short, damaged (``damaged`` says
+    what to do), or another program's database. A missing or empty file is a new store, unless
+    ``reading``; an in-memory database has no file to check. ``thorough``: SQLite's
+    quick_check whatever the file's size. Both stores a sweep has are checked here."""
     import sqlite3
 
+    path = sqlite_file(url)
+    if path is None:
+        return None
     try:
         size = path.stat().st_size
         with path.open("rb") as file:
@@ -268,11 +272,8 @@ def tracking_problem(uri: str, reading: bool = False, thorough: bool = False) ->
     a SQLite file is checked page by page whatever its size."""
     scheme = scheme_of(uri)
     if scheme == "sqlite":
-        path = sqlite_file(uri)
-        if path is None:
-            return None
         what = "an MLflow store"
-        return sqlite_problem(path, MLFLOW_TABLES, what, MLFLOW_DAMAGED, reading, thorough)
+        return sqlite_problem(uri, MLFLOW_TABLES, what, MLFLOW_DAMAGED, reading, thorough)
     if scheme in ("http", "https"):
         return http_problem(uri)
     if scheme in DATABASE_SCHEMES:
@@ -289,11 +290,8 @@ def storage_problem(url: str, thorough: bool = False) -> str | None:
         return journal_problem(journal_file(url))
     scheme = scheme_of(url)
     if scheme == "sqlite":
-        path = sqlite_file(url)
-        if path is None:
-            return None
         what = "an Optuna storage"
-        return sqlite_problem(path, OPTUNA_TABLES, what, OPTUNA_DAMAGED, False, thorough)
+        return sqlite_problem(url, OPTUNA_TABLES, what, OPTUNA_DAMAGED, False, thorough)
     if scheme in DATABASE_SCHEMES:
         return database_problem(url)
     return None

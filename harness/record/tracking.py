@@ -32,6 +32,10 @@ PARENT_TAG = "mlflow.parentRunId"
 # history, not the sweep to resume.
 STUDY_TAG = "study_name"
 FRESH_TAG = "harness_fresh"
+# On a parent run a start has just created and that has not yet won its sweep's election
+# (``harness.sweep.plan.elect_parent``): no reader takes it for the sweep before it has (a
+# loser deletes it), so racing starts never see two sweeps of one identity.
+CANDIDATE_TAG = "harness_candidate"
 BATCH = 1000  # MLflow's log_batch limit on entities (metrics + params + tags) per call
 PARAMS_PER_BATCH = 100  # ... and on params per call
 HISTORY_POINTS = 250  # most points of a trial's per-step loss curve kept in MLflow
@@ -230,6 +234,7 @@ def sweep_parents(client: Any, experiment_ids: list[str], study_name: str) -> li
         f"tags.{ROLE_TAG} = '{SWEEP_ROLE}' and tags.{STUDY_TAG} = '{study_name}'",
         order_by=["attributes.start_time DESC"],
     )
+    runs = [run for run in runs if not run.data.tags.get(CANDIDATE_TAG)]
     for index, run in enumerate(runs):
         if run.data.tags.get(FRESH_TAG):
             return runs[: index + 1]
@@ -369,6 +374,19 @@ class Tracker:
         )
         self._log(run.info.run_id, params=params)
         return run.info.run_id
+
+    def is_live(self, run_id: str) -> bool:
+        """Whether the run exists in this store and is not deleted."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id).info.lifecycle_stage == "active"
+        except MlflowException:
+            return False
+
+    def confirm_sweep(self, run_id: str) -> None:
+        """The parent run won its election: readers take it for the sweep from now on."""
+        self.client.delete_tag(run_id, CANDIDATE_TAG)
 
     def settled_sweep(self, study_name: str, prefer: str | None = None) -> str | None:
         """The parent run id of this sweep identity as MLflow records it (``settled_sweep``)."""

@@ -4,13 +4,14 @@ into one ``TrialConfig`` per grid point.
 - ``schema``: the pydantic models, one per section, with their defaults and checks;
 - ``errors``: ``SpecError`` and the helpers that make every complaint one line;
 - ``load``: YAML file -> ``Spec``, pydantic's errors turned into those lines;
-- ``grid``: points, trial configs and the grid hash.
+- ``grid``: points, trial configs and the grid hash (``SweepPlan``: a spec's grid as a sweep on
+  one host resolves it, computed once).
 """
 
 from harness.spec.errors import SpecError
 from harness.spec.grid import (
+    SweepPlan,
     grid_hash,
-    on_hardware,
     points,
     trial_config,
     trial_configs,
@@ -22,9 +23,9 @@ from harness.spec.schema import Spec
 __all__ = [
     "Spec",
     "SpecError",
+    "SweepPlan",
     "grid_hash",
     "load_spec",
-    "on_hardware",
     "parse_spec",
     "points",
     "trial_config",

@@ -262,7 +262,7 @@ def _no_duplicates(values: list[Any]) -> list[Any]:
 
 
 # ``grid.batch_size: [max]``: the largest batch whose predicted peak fits ``device_memory``,
-# found by the sweep (``harness.sweep.run.resolve_max_batch``) for each size, dtype, strategy.
+# found by the sweep (``harness.sweep.prepare.resolve_max_batch``) for each size, dtype, strategy.
 MAX_BATCH = "max"
 
 
@@ -528,13 +528,8 @@ class Spec(Strict):
     launcher: LauncherSpec = LauncherSpec()
     # Set by parse_spec: where the spec came from (user model code is imported from there).
     _source: str = PrivateAttr("")
-    # Set by the sweep (``harness.trial.hardware.host_hardware``): the device this host resolves
-    # ``device`` to and its name, part of every trial's identity. None: not probed (estimates).
-    _hardware: dict[str, str] | None = PrivateAttr(None)
-    # Set by the sweep where grid.batch_size lists ``max`` (``resolve_max_batch``): for each
-    # (model size, dtype, strategy) the batch it trains at and how it was found
-    # (``{"batch_size": int, "search": str}``). Empty: not resolved.
-    _max_batch: dict[tuple[str, str, str], dict[str, Any]] = PrivateAttr(default_factory=dict)
+    # (What a sweep resolves on a host, its hardware and ``batch_size: max``, is not kept here:
+    # ``harness.spec.grid.SweepPlan``.)
     # Set by parse_spec from ``cards`` (``harness.spec.load.load_cards``): your own cards by name.
     _cards: dict[str, Card] = PrivateAttr(default_factory=dict)
 

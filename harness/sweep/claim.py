@@ -50,13 +50,43 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from optuna import Study, Trial
+    from optuna.trial import FrozenTrial
 
 # Optuna takes heartbeat_interval and grace_period in whole seconds (heartbeat_options).
 HEARTBEAT_S: float = 5
 STALE_AFTER_S: float = 60
-# On a trial whose liveness Optuna's heartbeat keeps (an RDB storage): its age is Optuna's to judge.
-OPTUNA_BEAT_ATTR = "optuna_heartbeat"
+
+
+class TrialAttr:
+    """The names the protocol writes on a study trial (``user_attrs``): this module, ``plan``
+    and ``remote`` read them from here, never as bare strings."""
+
+    KEY = "trial_key"  # the point's trial_key, named at the claim
+    OWNER = "owner"  # host:pid of the worker that claimed it
+    HEARTBEAT = "heartbeat"  # the last beat's time, where the storage keeps no Optuna heartbeat
+    OPTUNA_BEAT = "optuna_heartbeat"  # liveness kept by Optuna's heartbeat: its age is Optuna's
+    ABANDONED = "abandoned"  # lost its claim to an earlier trial of the point
+    STALE = "stale"  # a dead worker's, on studies written before ``status`` told them apart
+    STATUS = "status"  # the trial's status, written by ``plan.tell`` before the study is told
+    RUN = "mlflow_run_id"  # the trial's MLflow run
+    REPEAT_OF = "repeat_of"  # a sampler's proposal of a taken point, answered with its values
+    RESTORED_FROM = "restored_from"  # copied into the study from the record (``mlflow``)
+
+
+class StudyAttr:
+    """The names written on the study itself."""
+
+    PARENT = "mlflow_parent_run_id"  # the sweep's MLflow parent run
+    SUPERSEDED = "superseded"  # trial_key -> last trial number a retry replaced
+    SPEC_HASH = "spec_hash"  # the grid hash without the hardware (``plan.swept_elsewhere``)
+    HARDWARE = "hardware"  # the hardware the sweep is keyed to
+    OBJECTIVES = "objectives"  # metric:direction, as the sweep started
+    LAUNCH = "launch_"  # + a ``--launcher`` submission's id: its workers joined this study
+
 
 # How many trials this process failed through Optuna's stale-trial callback (``report_stale``).
 _stale_reported = 0
@@ -76,12 +106,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def report_stale(study: Any, trial: Any) -> None:
+def report_stale(study: Study, trial: FrozenTrial) -> None:
     """Optuna's stale-trial callback: one line naming the point whose worker went silent."""
     global _stale_reported
     _stale_reported += 1
-    key = str(trial.user_attrs.get("trial_key", "?"))[:8]
-    holder = trial.user_attrs.get("owner", "an unknown worker")
+    key = str(trial.user_attrs.get(TrialAttr.KEY, "?"))[:8]
+    holder = trial.user_attrs.get(TrialAttr.OWNER, "an unknown worker")
     print(
         f"trial {trial.number} (point {key}, worker {holder}) sent no heartbeat for "
         f"{STALE_AFTER_S:g}s: failed, its point runs again",
@@ -99,7 +129,7 @@ def heartbeat_options() -> dict[str, Any]:
     }
 
 
-def optuna_beat(trial: Any) -> Callable[[], None] | None:
+def optuna_beat(trial: Trial) -> Callable[[], None] | None:
     """A call that records one Optuna heartbeat of ``trial``, or None where its storage keeps
     none (journal files, in-memory studies). Public API only: ``optuna.Trial.storage``, the
     storage's ``get_heartbeat_interval``/``record_heartbeat`` and its id lookups."""
@@ -112,12 +142,12 @@ def optuna_beat(trial: Any) -> Callable[[], None] | None:
     return lambda: storage.record_heartbeat(trial_id)
 
 
-def is_stale(trial: Any, now: float) -> bool:
+def is_stale(trial: FrozenTrial, now: float) -> bool:
     """A RUNNING trial nobody is working on any more (by the checks Optuna cannot make)."""
     attrs = trial.user_attrs
-    holder = attrs.get("owner")
+    holder = attrs.get(TrialAttr.OWNER)
     if holder is None:
-        if "trial_key" in attrs:  # written before owners existed: a single sweep that was killed
+        if TrialAttr.KEY in attrs:  # written before owners existed: a single sweep that was killed
             return True
         # Asked but not claimed yet: its worker may be between ask and claim right now.
         start = trial.datetime_start
@@ -127,15 +157,15 @@ def is_stale(trial: Any, now: float) -> bool:
         return False
     if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
         return True
-    if attrs.get(OPTUNA_BEAT_ATTR):
+    if attrs.get(TrialAttr.OPTUNA_BEAT):
         return False  # Optuna's heartbeat: optuna.storages.fail_stale_trials judges its age
-    beat = attrs.get("heartbeat")
+    beat = attrs.get(TrialAttr.HEARTBEAT)
     if beat is None and trial.datetime_start is not None:
         beat = trial.datetime_start.timestamp()
     return beat is None or now - float(beat) > STALE_AFTER_S
 
 
-def fail_stale_trials(study: Any) -> int:
+def fail_stale_trials(study: Study) -> int:
     """Fail the RUNNING trials of dead workers, so their points run again: Optuna's own check
     of its heartbeat first (a no-op on storages without one), then ``is_stale``'s."""
     import optuna
@@ -157,16 +187,13 @@ def fail_stale_trials(study: Any) -> int:
     return len(stale) + _stale_reported - before
 
 
-SUPERSEDED_ATTR = "superseded"  # on the study: trial_key -> last trial number a retry replaced
-
-
-def superseded(study: Any) -> dict[str, int]:
+def superseded(study: Study) -> dict[str, int]:
     """Which trials ``--retry-failed`` replaced: per point, the last trial number it replaced
     (a study attribute: a finished trial's own attributes cannot be written any more)."""
-    return dict(study.user_attrs.get(SUPERSEDED_ATTR, {}))
+    return dict(study.user_attrs.get(StudyAttr.SUPERSEDED, {}))
 
 
-def released(trial: Any, replaced: dict[str, int]) -> bool:
+def released(trial: FrozenTrial, replaced: dict[str, int]) -> bool:
     """Whether a study trial no longer holds its point (see the module notes): a repeat of a
     taken point, abandoned at its claim, replaced by a retry (``replaced``: ``superseded``),
     or a dead worker's (failed without the status ``plan.tell`` writes first; ``stale`` on
@@ -174,21 +201,21 @@ def released(trial: Any, replaced: dict[str, int]) -> bool:
     from optuna.trial import TrialState
 
     attrs = trial.user_attrs
-    if "repeat_of" in attrs or attrs.get("abandoned") or attrs.get("stale"):
+    if TrialAttr.REPEAT_OF in attrs or attrs.get(TrialAttr.ABANDONED) or attrs.get(TrialAttr.STALE):
         return True
-    if trial.number <= replaced.get(attrs.get("trial_key", ""), -1):
+    if trial.number <= replaced.get(attrs.get(TrialAttr.KEY, ""), -1):
         return True
-    return trial.state == TrialState.FAIL and "status" not in attrs
+    return trial.state == TrialState.FAIL and TrialAttr.STATUS not in attrs
 
 
-def taken(study: Any, trial: Any, key: str) -> bool:
+def taken(study: Study, trial: Trial, key: str) -> bool:
     """Whether another trial already has this point (see the module notes)."""
     from optuna.trial import TrialState
 
     replaced = superseded(study)
     for other in study.get_trials(deepcopy=False):
         attrs = other.user_attrs
-        if other.number == trial.number or attrs.get("trial_key") != key:
+        if other.number == trial.number or attrs.get(TrialAttr.KEY) != key:
             continue
         if released(other, replaced):
             continue
@@ -199,21 +226,25 @@ def taken(study: Any, trial: Any, key: str) -> bool:
     return False
 
 
-def cut_off_before(study: Any, trial: Any, key: str) -> bool:
+def cut_off_before(study: Study, trial: Trial, key: str) -> bool:
     """Whether a dead worker held this point before ``trial`` (failed without a status, as
     ``fail_stale_trials`` leaves it): it may have died while recording it in MLflow."""
     from optuna.trial import TrialState
 
     for other in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
         attrs = other.user_attrs
-        if other.number == trial.number or attrs.get("trial_key") != key:
+        if other.number == trial.number or attrs.get(TrialAttr.KEY) != key:
             continue
-        if "status" not in attrs and "repeat_of" not in attrs and not attrs.get("abandoned"):
+        if (
+            TrialAttr.STATUS not in attrs
+            and TrialAttr.REPEAT_OF not in attrs
+            and not attrs.get(TrialAttr.ABANDONED)
+        ):
             return True
     return False
 
 
-def claim_point(study: Any, trial: Any, key: str) -> bool:
+def claim_point(study: Study, trial: Trial, key: str) -> bool:
     """Name the point on the trial, then keep it only if nobody else has it.
 
     The first heartbeat comes before the owner and the owner before the point, so a trial
@@ -223,20 +254,20 @@ def claim_point(study: Any, trial: Any, key: str) -> bool:
     beat = optuna_beat(trial)
     if beat is not None:
         beat()
-        trial.set_user_attr(OPTUNA_BEAT_ATTR, True)
+        trial.set_user_attr(TrialAttr.OPTUNA_BEAT, True)
     else:
-        trial.set_user_attr("heartbeat", time.time())
-    trial.set_user_attr("owner", owner())
-    trial.set_user_attr("trial_key", key)
+        trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
+    trial.set_user_attr(TrialAttr.OWNER, owner())
+    trial.set_user_attr(TrialAttr.KEY, key)
     if not taken(study, trial, key):
         return True
-    trial.set_user_attr("abandoned", True)
+    trial.set_user_attr(TrialAttr.ABANDONED, True)
     study.tell(trial, state=TrialState.FAIL)
     return False
 
 
 @contextlib.contextmanager
-def heartbeat(trial: Any) -> Iterator[None]:
+def heartbeat(trial: Trial) -> Iterator[None]:
     """Prove every ``HEARTBEAT_S`` that the trial's worker is alive while the block runs:
     Optuna's heartbeat where the storage keeps one, else the time as a user attribute."""
     beat = optuna_beat(trial)
@@ -245,7 +276,7 @@ def heartbeat(trial: Any) -> Iterator[None]:
         if beat is not None:
             beat()
         else:
-            trial.set_user_attr("heartbeat", time.time())
+            trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
 
     stop = threading.Event()
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import pandas as pd
 
-from harness.spec import Spec, trial_configs
+from harness.spec import SweepPlan
+from harness.trial.prediction import FAILURES
 
 COLUMNS = [
     "model_size",
@@ -45,8 +46,7 @@ COLUMNS = [
     "device",
     "trial_key",
     "estimate_seconds",
-    "refused",
-    "unpredictable",
+    *(outcome.value for outcome in FAILURES),  # refused, unpredictable: why a row has none
     "note",
 ]
 
@@ -111,12 +111,12 @@ def failure(what: str, stderr: str) -> str:
     return message
 
 
-def estimate_grid(spec: Spec, target: str) -> pd.DataFrame:
+def estimate_grid(sweep: SweepPlan, target: str) -> pd.DataFrame:
     """One row per grid point, in grid order: the prediction for ``target`` (cpu | cuda),
     whether it ``fits`` the budget (``device_memory``, else the card's memory), and the
     closed-form cross-checks. A CUDA target is judged on ``predicted_device_bytes`` (what the
     card holds: reserved segments + context + NCCL), a CPU one on the allocated peak."""
-    configs = trial_configs(spec)
+    spec, configs = sweep.spec, sweep.configs
     print(f"estimating {len(configs)} trials for {target} ...", file=sys.stderr, flush=True)
     request = {"device": target, "configs": [c.to_dict() for c in configs]}
     frame = pd.DataFrame(run_trial_tool("harness.trial.estimate", request, "the estimator"))

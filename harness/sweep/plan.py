@@ -14,16 +14,17 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from harness.contract import Direction
 from harness.record.stores import prepare_store, storage_for
-from harness.spec import Spec, SpecError, grid_hash, on_hardware, points, trial_config
+from harness.spec import Spec, SpecError, SweepPlan
 from harness.sweep.claim import (
-    SUPERSEDED_ATTR,
+    StudyAttr,
+    TrialAttr,
     claim_point,
     heartbeat_options,
     owner,
@@ -34,43 +35,49 @@ from harness.trial.config import TrialConfig
 from harness.trial.hardware import describe_hardware
 from harness.trial.result import OVER_BUDGET, Status, TrialResult
 
+if TYPE_CHECKING:
+    from optuna import Study, Trial
+    from optuna.samplers import BaseSampler
+
+
 # How many times in a row a sampler may propose points already measured before one of the
 # unmeasured points is taken at random instead (small categorical spaces make samplers repeat).
 MAX_REPEATS = 20
 
 
-def study_name(spec: Spec) -> str:
-    base = f"{spec.experiment}-{grid_hash(spec)}"
-    return base if spec.search.method == "grid" else f"{base}-optuna"
+def study_name(sweep: SweepPlan) -> str:
+    base = f"{sweep.spec.experiment}-{sweep.grid_hash}"
+    return base if sweep.spec.search.method == "grid" else f"{base}-optuna"
 
 
-def spec_hash(spec: Spec) -> str:
+def spec_hash(sweep: SweepPlan) -> str:
     """The grid hash without the hardware: the same spec on any host (and the whole grid hash
     of sweeps recorded before hardware was part of a trial's identity)."""
-    return grid_hash(on_hardware(spec, {})) if spec._hardware else grid_hash(spec)
+    return replace(sweep, hardware=None).grid_hash
 
 
-def swept_elsewhere(study: Any, spec: Spec) -> str | None:
+def swept_elsewhere(study: Study, sweep: SweepPlan) -> str | None:
     """For a new sweep: the hardware an earlier sweep of this same spec ran on, if other."""
     import optuna
 
     if study.get_trials(deepcopy=False):
         return None  # resuming this very sweep
-    mine, same_spec = spec._hardware or {}, spec_hash(spec)
+    spec = sweep.spec
+    mine, same_spec = dict(sweep.hardware or {}), spec_hash(sweep)
     suffix = "" if spec.search.method == "grid" else "-optuna"
     storage = storage_for(spec.tracking.storage)
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         attrs = summary.user_attrs
         if summary.study_name == study.study_name or not summary.n_trials:
             continue
-        if attrs.get("spec_hash") == same_spec and attrs.get("hardware") != mine:
-            return describe_hardware(attrs.get("hardware") or {})
+        if attrs.get(StudyAttr.SPEC_HASH) == same_spec and attrs.get(StudyAttr.HARDWARE) != mine:
+            return describe_hardware(attrs.get(StudyAttr.HARDWARE) or {})
         if summary.study_name == f"{spec.experiment}-{same_spec}{suffix}":
             return "hardware an earlier harness version did not record"
     return None
 
 
-def free_points(study: Any, spec: Spec, keys: list[str]) -> int:
+def free_points(study: Study, sweep: SweepPlan, keys: list[str]) -> int:
     """``--retry-failed``: the trials of these points no longer hold them (``superseded``);
     Optuna search enqueues the points, so the sampler's next trials are those points again."""
     if not keys:
@@ -78,16 +85,15 @@ def free_points(study: Any, spec: Spec, keys: list[str]) -> int:
     replaced = superseded(study)
     last = max((t.number for t in study.get_trials(deepcopy=False)), default=-1)
     replaced.update({key: last for key in keys})
-    study.set_user_attr(SUPERSEDED_ATTR, replaced)
-    if spec.search.method != "grid":
-        by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
+    study.set_user_attr(StudyAttr.SUPERSEDED, replaced)
+    if sweep.spec.search.method != "grid":
         for key in keys:
-            if key in by_key:
-                study.enqueue_trial(by_key[key], skip_if_exists=False)
+            if key in sweep.by_key:
+                study.enqueue_trial(sweep.by_key[key][0], skip_if_exists=False)
     return len(keys)
 
 
-def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
+def restore_trials(study: Study, sweep: SweepPlan, runs: list[Any]) -> int:
     """Copy into the study every trial recorded in MLflow (``runs``: the sweep's trial runs)
     that it does not hold: its storage was deleted, emptied, or is another one (``--workers``
     keeps the study in a journal file, a plain run in SQLite). The copies are finished trials
@@ -100,11 +106,11 @@ def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
 
     replaced = superseded(study)
     held = {
-        t.user_attrs.get("trial_key")
+        t.user_attrs.get(TrialAttr.KEY)
         for t in study.get_trials(deepcopy=False)
-        if "status" in t.user_attrs and not released(t, replaced)
+        if TrialAttr.STATUS in t.user_attrs and not released(t, replaced)
     }
-    by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
+    spec, by_key = sweep.spec, sweep.by_key
     distributions: dict[str, BaseDistribution] = {
         axis: CategoricalDistribution(values) for axis, values in spec.axes().items()
     }
@@ -122,13 +128,13 @@ def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
             optuna.trial.create_trial(
                 state=TrialState.COMPLETE if values is not None else TrialState.FAIL,
                 values=values,
-                params=by_key[key],
+                params=by_key[key][0],
                 distributions=distributions,
                 user_attrs={
-                    "trial_key": key,
-                    "status": status,
-                    "mlflow_run_id": run.info.run_id,
-                    "restored_from": "mlflow",
+                    TrialAttr.KEY: key,
+                    TrialAttr.STATUS: status,
+                    TrialAttr.RUN: run.info.run_id,
+                    TrialAttr.RESTORED_FROM: "mlflow",
                 },
                 constraints=(
                     {"memory": memory_constraint(spec, result)} if values is not None else None
@@ -141,7 +147,7 @@ def restore_trials(study: Any, spec: Spec, runs: list[Any]) -> int:
     return len(copies)
 
 
-def make_sampler(spec: Spec, already: int) -> Any:
+def make_sampler(spec: Spec, already: int) -> BaseSampler:
     """The spec's sampler. Its seed moves on with the study's size, so a resumed search does
     not replay the proposals its first run already made."""
     import optuna
@@ -158,7 +164,7 @@ def make_sampler(spec: Spec, already: int) -> Any:
     return samplers[spec.search.sampler]()
 
 
-def planned_grid_sampler(spec: Spec) -> Any:
+def planned_grid_sampler(spec: Spec) -> BaseSampler:
     """A ``GridSampler`` for a sweep that enqueues every grid point itself.
 
     Optuna's ``GridSampler.after_trial`` looks for the grid id it assigns when *it* picks a
@@ -174,7 +180,7 @@ def planned_grid_sampler(spec: Spec) -> Any:
     return PlannedGridSampler(spec.axes(), seed=spec.train.seed)
 
 
-def create_or_load(name: str, storage: Callable[[], Any], directions: list[Direction]) -> Any:
+def create_or_load(name: str, storage: Callable[[], Any], directions: list[Direction]) -> Study:
     """``create_study(load_if_exists=True)``, retried: workers starting together on a new
     PostgreSQL database race to create its tables and the study (an IntegrityError for all but
     one of them), after which loading works. ``storage()`` opens the storage (an ``RDBStorage``
@@ -188,34 +194,64 @@ def create_or_load(name: str, storage: Callable[[], Any], directions: list[Direc
                 study_name=name, storage=storage(), directions=directions, load_if_exists=True
             )
         except SQLAlchemyError:
+            # The racer that won has committed by the time this one's commit failed, so
+            # loading works at once; a locked SQLite file waits in its own busy timeout.
             if attempt == 7:
                 raise
-            time.sleep(random.uniform(0.2, 1.0) * (attempt + 1))
     raise AssertionError("unreachable")
 
 
-def open_study(spec: Spec, fresh: bool = False) -> Any:
+def election_name(study_name: str) -> str:
+    """The study that elects a sweep's MLflow parent run (``elect_parent``)."""
+    return f"{study_name}:parent"
+
+
+def elect_parent(spec: Spec, study: Study, candidate: str, alive: Callable[[str], bool]) -> str:
+    """The sweep's MLflow parent run, when starts race to create one: the first candidate
+    entered in the sweep's election study that is still a live run in MLflow.
+
+    Each start that found no parent creates one (``candidate``), enters it as a waiting trial
+    of the election study (point and run id in one write: Optuna numbers a study's trials
+    under a lock on the study, and a journal orders them by its log), then reads every entry:
+    all racers read the same order, so all choose the same run, without waiting or a clock.
+    Entries whose run is gone (an MLflow store emptied while the study stayed) are passed
+    over the same way by everyone. The losers delete their candidate."""
+    name = election_name(study.study_name)
+    election = create_or_load(name, lambda: storage_for(spec.tracking.storage), ["minimize"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # enqueue_trial's user_attrs are marked experimental
+        election.enqueue_trial({}, user_attrs={"run": candidate}, skip_if_exists=False)
+    for entry in sorted(election.get_trials(deepcopy=False), key=lambda t: t.number):
+        run = str(entry.user_attrs.get("run") or "")
+        if run == candidate or (run and alive(run)):
+            return run
+    return candidate  # not reached: the candidate's own entry is among them
+
+
+def open_study(sweep: SweepPlan, fresh: bool = False) -> Study:
     """The sweep's study, on a storage that keeps Optuna's heartbeat where it can (an RDB
     storage: ``harness.sweep.claim``)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    spec = sweep.spec
     url = spec.tracking.storage
     prepare_store(url, lambda path: optuna.storages.RDBStorage(path))
-    name = study_name(spec)
-    if fresh:
-        with contextlib.suppress(KeyError):
-            optuna.delete_study(study_name=name, storage=storage_for(url))
+    name = study_name(sweep)
+    if fresh:  # the study and its parent-run election
+        for doomed in (name, election_name(name)):
+            with contextlib.suppress(KeyError):
+                optuna.delete_study(study_name=doomed, storage=storage_for(url))
     directions: list[Direction] = [objective.direction for objective in spec.search.objectives]
     study = create_or_load(name, lambda: storage_for(url, **heartbeat_options()), directions)
-    if "spec_hash" not in study.user_attrs:  # what swept_elsewhere compares
-        study.set_user_attr("spec_hash", spec_hash(spec))
-        study.set_user_attr("hardware", spec._hardware or {})
+    if StudyAttr.SPEC_HASH not in study.user_attrs:  # what swept_elsewhere compares
+        study.set_user_attr(StudyAttr.SPEC_HASH, spec_hash(sweep))
+        study.set_user_attr(StudyAttr.HARDWARE, dict(sweep.hardware or {}))
     study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
     wanted = [f"{o.metric}:{o.direction}" for o in spec.search.objectives]
-    recorded = study.user_attrs.get("objectives")
+    recorded = study.user_attrs.get(StudyAttr.OBJECTIVES)
     if recorded is None:
-        study.set_user_attr("objectives", wanted)
+        study.set_user_attr(StudyAttr.OBJECTIVES, wanted)
     elif recorded != wanted:
         raise SpecError(
             f"{spec._source or '<spec>'}: search.objectives: {', '.join(wanted)} differ from "
@@ -224,7 +260,7 @@ def open_study(spec: Spec, fresh: bool = False) -> Any:
     return study
 
 
-def ask(study: Any, spec: Spec, point: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def ask(study: Study, spec: Spec, point: dict[str, Any]) -> tuple[Trial, dict[str, Any]]:
     """Start a study trial for a grid point, and return the point it really got: with other
     workers enqueueing too, ``ask`` may hand out another worker's enqueued point first."""
     study.enqueue_trial(point, skip_if_exists=False)
@@ -232,7 +268,7 @@ def ask(study: Any, spec: Spec, point: dict[str, Any]) -> tuple[Any, dict[str, A
     return trial, suggest_point(trial, spec)
 
 
-def new_trial(study: Any) -> Any:
+def new_trial(study: Study) -> Trial:
     """``study.ask()``, without Optuna's warning that its heartbeat is meant for
     ``Study.optimize``: this sweep drives ask/tell and records the heartbeat itself."""
     with warnings.catch_warnings():
@@ -288,13 +324,13 @@ def memory_constraint(spec: Spec, result: TrialResult) -> float:
     return 1.0 if over else 0.0
 
 
-def tell(study: Any, trial: Any, spec: Spec, result: TrialResult, run_id: str) -> None:
+def tell(study: Study, trial: Trial, spec: Spec, result: TrialResult, run_id: str) -> None:
     """Report the trial: its values and memory constraint, or FAIL when it has no values."""
     from optuna.trial import TrialState
 
     # (trial_key is already on the trial: claim_point named it; each write is a commit)
-    trial.set_user_attr("status", result.status.value)
-    trial.set_user_attr("mlflow_run_id", run_id)
+    trial.set_user_attr(TrialAttr.STATUS, result.status.value)
+    trial.set_user_attr(TrialAttr.RUN, run_id)
     values = objective_values(spec, result)
     # skip_if_finished: a trial failed meanwhile as a dead worker's (its heartbeat lapsed) is
     # recorded in MLflow all the same; the tell must not turn that into a crash of this sweep.
@@ -305,40 +341,40 @@ def tell(study: Any, trial: Any, spec: Spec, result: TrialResult, run_id: str) -
     study.tell(trial, values, skip_if_finished=True)
 
 
-def trials_to_run(spec: Spec, recorded: int, more: int | None) -> int:
+def trials_to_run(sweep: SweepPlan, recorded: int, more: int | None) -> int:
     """Grid: every unrecorded point. Optuna: up to ``search.n_trials`` recorded in all, or
     ``more`` beyond what is recorded (``--n-trials``), never past the grid's size."""
-    size = len(points(spec))
+    spec, size = sweep.spec, len(sweep.points)
     if spec.search.method == "grid":
         return size - recorded
     wanted = recorded + more if more is not None else spec.search.n_trials or 0
     return max(0, min(wanted, size) - recorded)
 
 
-def suggest_point(trial: Any, spec: Spec) -> dict[str, Any]:
+def suggest_point(trial: Trial, spec: Spec) -> dict[str, Any]:
     return {axis: trial.suggest_categorical(axis, values) for axis, values in spec.axes().items()}
 
 
-def active_keys(study: Any) -> set[str]:
+def active_keys(study: Study) -> set[str]:
     """Points that are finished or being run by some worker (not abandoned, not dead)."""
     from optuna.trial import TrialState
 
     live = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)
     replaced = superseded(study)
     return {
-        t.user_attrs["trial_key"]
+        t.user_attrs[TrialAttr.KEY]
         for t in study.get_trials(deepcopy=False, states=live)
-        if "trial_key" in t.user_attrs and not released(t, replaced)
+        if TrialAttr.KEY in t.user_attrs and not released(t, replaced)
     }
 
 
-def held_by_others(study: Any) -> bool:
+def held_by_others(study: Study) -> bool:
     """Whether another live worker is running a point of this sweep right now."""
     from optuna.trial import TrialState
 
     me, replaced = owner(), superseded(study)
     return any(
-        t.user_attrs.get("owner") not in (None, me) and not released(t, replaced)
+        t.user_attrs.get(TrialAttr.OWNER) not in (None, me) and not released(t, replaced)
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     )
 
@@ -356,19 +392,25 @@ class SearchPlan:
     """
 
     def __init__(
-        self, study: Any, spec: Spec, recorded: set[str], target: int, shuffle: bool = False
+        self,
+        study: Study,
+        sweep: SweepPlan,
+        recorded: set[str],
+        target: int,
+        shuffle: bool = False,
     ) -> None:
-        self.study, self.spec = study, spec
+        spec = sweep.spec
+        self.study, self.spec, self.sweep = study, spec, sweep
         self.recorded = set(recorded)
         self.target = target
         self.random = random.Random(spec.train.seed + len(recorded))
-        self.by_key = {trial_config(spec, point).trial_key: point for point in points(spec)}
+        self.by_key = {key: point for key, (point, _) in sweep.by_key.items()}
         self.shuffle = shuffle
 
     def taken(self) -> set[str]:
         return self.recorded | active_keys(self.study)
 
-    def __iter__(self) -> Iterator[tuple[Any, dict[str, Any], TrialConfig]]:
+    def __iter__(self) -> Iterator[tuple[Trial, dict[str, Any], TrialConfig]]:
         if self.spec.search.method == "grid":
             yield from self.grid()
             return
@@ -378,7 +420,7 @@ class SearchPlan:
                 return  # every grid point has been taken
             yield proposal
 
-    def grid(self) -> Iterator[tuple[Any, dict[str, Any], TrialConfig]]:
+    def grid(self) -> Iterator[tuple[Trial, dict[str, Any], TrialConfig]]:
         keys = list(self.by_key)
         if self.shuffle:
             start = random.Random().randrange(len(keys))
@@ -390,18 +432,18 @@ class SearchPlan:
             if key in taken or key in (taken := self.taken()):
                 continue
             trial, point = ask(self.study, self.spec, self.by_key[key])
-            config = trial_config(self.spec, point)
+            config = self.sweep.trial_config(point)
             if claim_point(self.study, trial, config.trial_key):
                 yield trial, point, config
 
-    def propose(self) -> tuple[Any, dict[str, Any], TrialConfig] | None:
+    def propose(self) -> tuple[Trial, dict[str, Any], TrialConfig] | None:
         for _ in range(MAX_REPEATS):
             taken = self.taken()
             if not set(self.by_key) - taken:
                 return None
             trial = new_trial(self.study)
             point = suggest_point(trial, self.spec)
-            config = trial_config(self.spec, point)
+            config = self.sweep.trial_config(point)
             if config.trial_key in taken:
                 self.repeat(trial, config.trial_key)
             elif claim_point(self.study, trial, config.trial_key):
@@ -410,12 +452,12 @@ class SearchPlan:
         if not untaken:
             return None
         trial, point = ask(self.study, self.spec, self.by_key[self.random.choice(untaken)])
-        config = trial_config(self.spec, point)
+        config = self.sweep.trial_config(point)
         if not claim_point(self.study, trial, config.trial_key):
             return self.propose()
         return trial, point, config
 
-    def repeat(self, trial: Any, key: str) -> None:
+    def repeat(self, trial: Trial, key: str) -> None:
         """Answer a proposal of a taken point with what that point gave (if it has finished)."""
         from optuna.trial import TrialState
 
@@ -423,9 +465,9 @@ class SearchPlan:
         earlier = [
             t
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.user_attrs.get("trial_key") == key and not released(t, replaced)
+            if t.user_attrs.get(TrialAttr.KEY) == key and not released(t, replaced)
         ]
-        trial.set_user_attr("repeat_of", key)
+        trial.set_user_attr(TrialAttr.REPEAT_OF, key)
         if not earlier:
             self.study.tell(trial, state=TrialState.FAIL)
             return

@@ -35,6 +35,7 @@ from rich.console import Console
 from harness.contract import LAUNCH_ENV, STORAGE_ENV, TRACKING_ENV
 from harness.spec import Spec, SpecError
 from harness.sweep import remote
+from harness.sweep.launcher import LaunchOutcome, LaunchRequest
 
 
 class RayWorker:
@@ -84,7 +85,7 @@ class RayWorker:
         return {"host": socket.gethostname(), "pid": os.getpid(), "parent": outcome.parent_run_id}
 
 
-def launch(spec: Spec, console: Console) -> remote.LaunchOutcome:
+def launch(spec: Spec, console: Console) -> LaunchOutcome:
     """Start ``launcher.ray.workers`` actors and follow the study until they are done."""
     ray = remote.require("ray", "ray")
     settings = spec.launcher.ray
@@ -107,9 +108,7 @@ def launch(spec: Spec, console: Console) -> remote.LaunchOutcome:
         ray.shutdown()
 
 
-def run_actors(
-    ray: Any, spec: Spec, console: Console, path: str, gpus: int
-) -> remote.LaunchOutcome:
+def run_actors(ray: Any, spec: Spec, console: Console, path: str, gpus: int) -> LaunchOutcome:
     settings = spec.launcher.ray
     have = ray.cluster_resources()
     for kind, need in (("GPU", gpus), ("CPU", settings.cpus_per_worker)):
@@ -138,7 +137,7 @@ def run_actors(
         f"{settings.address or os.environ.get('RAY_ADDRESS') or 'a local Ray cluster'}.",
         soft_wrap=True,
     )
-    outcome = remote.LaunchOutcome(
+    outcome = LaunchOutcome(
         "ray", spec.experiment, spec.tracking.mlflow_uri, names, True, remote.trials_wanted(spec)
     )
     study = remote.StudyWatch(spec, launch_id)
@@ -154,3 +153,13 @@ def run_actors(
             cause = getattr(error, "cause", None) or error
             outcome.problems.append(f"{name}: {remote.first_line(cause)}")
     return remote.finish(outcome, spec, study)
+
+
+class RayLauncher:
+    """``--launcher ray``: ``launcher.ray.workers`` actors, followed until they are done."""
+
+    name: str = "ray"
+    resume_hint: str | None = "the Ray workers stop with this driver; launch again to go on"
+
+    def launch(self, request: LaunchRequest) -> LaunchOutcome:
+        return launch(request.spec, request.console)

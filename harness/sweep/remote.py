@@ -11,7 +11,7 @@ password in a URL would show in ``ps``), and watches the study for ``--wait``.
 
 The workers resolve their own hardware, and a trial's identity includes it, so the study they
 use is named on the nodes, not here: each submission has an id (``HARNESS_LAUNCH``) that its
-workers note on the study they join (``run.LAUNCH_ATTR``), and the watch finds the study by it.
+workers note on the study they join (``claim.StudyAttr.LAUNCH``), and the watch finds the study by it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -33,28 +31,17 @@ from harness.record.stores import shared_storage, storage_for
 from harness.record.tracking import Tracker
 from harness.spec import Spec, SpecError, points
 from harness.sweep import preflight
-from harness.sweep.claim import released, superseded
-from harness.sweep.run import LAUNCH_ATTR, with_tracking
+from harness.sweep.claim import StudyAttr, TrialAttr, released, superseded
+from harness.sweep.launcher import LaunchOutcome
+from harness.sweep.prepare import with_tracking
 from harness.sweep.workers import gpus_per_worker
+from harness.waiting import until
+
+if TYPE_CHECKING:
+    from optuna import Study
+
 
 POLL_S = 2.0
-
-
-@dataclass
-class LaunchOutcome:
-    """What a submission did: its workers (job ids, actors) and, when it was waited for, what
-    they recorded."""
-
-    launcher: str
-    experiment: str
-    tracking_uri: str
-    workers: list[str]
-    waited: bool
-    total: int  # trials the sweep records in all (per hardware the workers ran on)
-    parents: list[str] = field(default_factory=list)  # the MLflow parent runs they recorded in
-    missing: int = 0  # trials of those sweeps with no record when the workers were done
-    problems: list[str] = field(default_factory=list)  # one line per worker that ended badly
-    hints: list[str] = field(default_factory=list)  # how to follow a sweep not waited for
 
 
 def require(package: str, extra: str) -> Any:
@@ -140,10 +127,10 @@ class StudyWatch:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = storage_for(spec.tracking.storage)
         self.storage = optuna.storages.RDBStorage(storage) if isinstance(storage, str) else storage
-        self.attr = f"{LAUNCH_ATTR}{launch}"
-        self.studies: dict[str, Any] = {}
+        self.attr = f"{StudyAttr.LAUNCH}{launch}"
+        self.studies: dict[str, Study] = {}
 
-    def find(self) -> list[Any]:
+    def find(self) -> list[Study]:
         import optuna
 
         for summary in optuna.get_all_study_summaries(self.storage, include_best_trial=False):
@@ -161,20 +148,20 @@ class StudyWatch:
         for study in self.find():
             replaced = superseded(study)
             for trial in study.get_trials(deepcopy=False):
-                if "trial_key" not in trial.user_attrs or released(trial, replaced):
+                if TrialAttr.KEY not in trial.user_attrs or released(trial, replaced):
                     continue
                 if trial.state == TrialState.RUNNING:
                     running += 1
-                elif "status" in trial.user_attrs:
+                elif TrialAttr.STATUS in trial.user_attrs:
                     recorded += 1
         return recorded, running
 
     def parents(self) -> list[str]:
         """The MLflow parent runs of the studies found (one per hardware the workers had)."""
         return [
-            study.user_attrs["mlflow_parent_run_id"]
+            study.user_attrs[StudyAttr.PARENT]
             for study in self.find()
-            if "mlflow_parent_run_id" in study.user_attrs
+            if StudyAttr.PARENT in study.user_attrs
         ]
 
 
@@ -187,22 +174,22 @@ def watch(
     total: int,
 ) -> None:
     """A line each time the picture changes, until no worker is left running."""
-    last = None
-    recorded = running = 0
-    while True:
+    shown = {"line": "", "recorded": 0, "running": 0}
+
+    def done() -> bool:
         running_workers = alive()
         with contextlib.suppress(Exception):  # a store hiccup costs one line, not the watch
-            recorded, running = study.counts()
+            shown["recorded"], shown["running"] = study.counts()
         line = (
             f"{label}: {running_workers} of {workers} worker(s) running; "
-            f"{recorded}/{total} trial(s) recorded, {running} running"
+            f"{shown['recorded']}/{total} trial(s) recorded, {shown['running']} running"
         )
-        if line != last:
+        if line != shown["line"]:
             console.print(line, highlight=False, markup=False)
-            last = line
-        if not running_workers:
-            return
-        time.sleep(POLL_S)
+            shown["line"] = line
+        return not running_workers
+
+    until(done, every_s=POLL_S, what=f"the {label} workers")
 
 
 def finish(outcome: LaunchOutcome, spec: Spec, study: StudyWatch) -> LaunchOutcome:

@@ -32,6 +32,7 @@ from rich.console import Console
 from harness.contract import LAUNCH_ENV, STORAGE_ENV, TRACKING_ENV
 from harness.spec import Spec, SpecError
 from harness.sweep import remote
+from harness.sweep.launcher import LaunchOutcome, LaunchRequest
 
 # submitit takes these when the executor is made, not with the other parameters.
 EXECUTOR_OPTIONS = ("slurm_max_num_timeout", "slurm_python", "slurm_max_pickle_size_gb")
@@ -117,7 +118,7 @@ def make_executor(spec: Spec, folder: Path, gpus: int) -> Any:
     return executor
 
 
-def launch(spec: Spec, console: Console, wait: bool) -> remote.LaunchOutcome:
+def launch(spec: Spec, console: Console, wait: bool) -> LaunchOutcome:
     """Submit ``launcher.slurm.jobs`` workers; with ``wait``, follow the study until they end."""
     remote.require("submitit", "slurm")  # before anything is created
     settings = spec.launcher.slurm
@@ -144,7 +145,7 @@ def launch(spec: Spec, console: Console, wait: bool) -> remote.LaunchOutcome:
         f"{gpus} GPU(s) each: {' '.join(ids)}. Logs: {folder}",
         soft_wrap=True,
     )
-    outcome = remote.LaunchOutcome(
+    outcome = LaunchOutcome(
         "slurm", spec.experiment, spec.tracking.mlflow_uri, ids, wait, remote.trials_wanted(spec)
     )
     if not wait:
@@ -184,3 +185,15 @@ def job_problem(job: Any) -> str | None:
     # submitit hands back the job's traceback as text: its last line is the error itself.
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return f"job {job.job_id} failed: {lines[-1].strip() if lines else error!r}; log: {log}"
+
+
+class SlurmLauncher:
+    """``--launcher slurm``: a submitit job array of ``launcher.slurm.jobs`` workers."""
+
+    name: str = "slurm"
+    resume_hint: str | None = (
+        None  # the watch says whether the jobs stop (local) or go on (a cluster)
+    )
+
+    def launch(self, request: LaunchRequest) -> LaunchOutcome:
+        return launch(request.spec, request.console, request.wait)

@@ -19,18 +19,10 @@ from rich.console import Console
 from harness.contract import MANAGED_WORKER_ENV, STORAGE_ENV, TRACKING_ENV
 from harness.record.stores import redact, shared_storage
 from harness.spec import Spec, SpecError, trial_configs
-from harness.sweep.run import (
-    NOISE_LINE,
-    TRIAL_LINE,
-    SweepOutcome,
-    SweepState,
-    announce,
-    prepare,
-    progress_bar,
-    start,
-    status_counts,
-    with_tracking,
-)
+from harness.sweep.launcher import LaunchRequest, OnThisHost, SweepOutcome
+from harness.sweep.prepare import SweepState, prepare, with_tracking
+from harness.sweep.progress import NOISE_LINE, TRIAL_LINE, announce, progress_bar, start
+from harness.sweep.run import status_counts
 
 
 def run_with_workers(
@@ -179,4 +171,15 @@ def warn_about_cpu_sharing(console: Console, spec: Spec) -> None:
             "[yellow]warning:[/] parallel trials on one CPU share its cores: memory figures "
             "are unaffected, but throughput and step times are distorted. Compare throughput "
             "only from sweeps run with one worker."
+        )
+
+
+class WorkersLauncher(OnThisHost):
+    """``--workers N``: N ``harness worker`` processes on this host, shown as one sweep."""
+
+    name: str = "workers"
+
+    def run(self, request: LaunchRequest) -> SweepOutcome:
+        return run_with_workers(
+            request.spec, request.console, request.fresh, request.workers, request.retry
         )

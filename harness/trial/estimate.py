@@ -25,11 +25,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.contract import OPTIMIZER_STATE_BYTES
-from harness.cuda.device_memory import FREE, DeviceMemory, capped, device_memory
+from harness.cuda.device_memory import FREE, DeviceMemory, Replayable
 from harness.cuda.kernels import Workspaces
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.allocations import AllocationLog
 from harness.meters.memory import MemoryWindow
+from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
 from harness.strategies.base import Strategy, StrategyError
 from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
 from harness.strategies.settings import DEFAULT_LORA
@@ -41,15 +42,12 @@ from harness.trial.fake import (
     fake_process_group,
     libraries_run_eagerly,
 )
+from harness.trial.prediction import CardFigures, Prediction
 from harness.trial.setup import Setup, build_setup
 from harness.trial.target import CudaTarget, cuda_rules, cuda_target, target_note
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
-# Under this key a fit prediction (``totals=True``) of a CUDA target keeps what its device
-# figures were replayed from, so a search can judge it against other budgets
-# (``replay_for_budget``); not JSON, never written out.
-REPLAY = "replay"
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
 
 
@@ -58,9 +56,9 @@ def estimate_peak(
     device: torch.device,
     as_cuda: bool = False,
     strategies: tuple[Strategy, ...] | None = None,
-) -> dict[str, Any]:
-    """``predicted_peak_bytes`` and the predicted breakdown; ``{"unpredictable": why}`` when the
-    step cannot run on fake tensors (``FAKE_REFUSALS``); ``{"refused": why}`` when a strategy
+) -> Prediction:
+    """The predicted peak and its breakdown (``Prediction``); ``unpredictable`` with why when
+    the step cannot run on fake tensors (``FAKE_REFUSALS``); ``refused`` with why when a strategy
     cannot apply to the model (the trial would end before training with the same message).
     Any other exception propagates: a crash is a bug to see, not a row to hide it in.
 
@@ -90,13 +88,13 @@ class Predictor:
     batches staged: after the warm-up every step starts from the same state and allocates the
     same, so the peak of one is the peak of all (tests hold it equal to a full window).
     ``totals=True`` (the fit search too) adds the live total after every op of the window to
-    each prediction, under ``"totals"`` (``TotalsTracker``).
+    each prediction (``Prediction.totals``, ``TotalsTracker``).
 
     A CUDA target also gets what the card holds (``harness.cuda.device_memory``): every
     storage's allocation and free, in order, from the model's parameters through the warm-up
     step and the window (``AllocationLog``), replayed through the caching allocator's rules for
-    ``predicted_reserved_bytes``; plus the context and NCCL buffers for
-    ``predicted_device_bytes``; the allocated figure is the replayed allocator's too, which counts
+    its reserved bytes; plus the context and NCCL buffers for its device bytes
+    (``Prediction.on_card``); the allocated figure is the replayed allocator's too, which counts
     the cuBLAS workspaces it serves and the block remainders too small to split, as
     ``max_memory_allocated`` does (*other* in the breakdown). Without a GPU the step runs under
     CUDA's autocast lists and kernels.
@@ -116,7 +114,7 @@ class Predictor:
         self.strategies = strategies or config.strategy.build()
         self.stack: contextlib.ExitStack | None = None
         self.setup: Setup | None = None
-        self.failure: dict[str, Any] | None = None  # why no batch size can be predicted
+        self.failure: Prediction | None = None  # why no batch size can be predicted
         self.target: CudaTarget | None = (
             cuda_target(config, as_cuda, self.strategies)
             if as_cuda or device.type == "cuda"
@@ -145,7 +143,7 @@ class Predictor:
         config = self.config
         for info in sorted(config.strategy.infos, key=lambda info: info.name):
             if info.unpredictable is not None:
-                self.failure = {"unpredictable": f"{info.name}: {info.unpredictable}"}
+                self.failure = Prediction.unpredictable(f"{info.name}: {info.unpredictable}")
                 return
         ranks = Ranks(rank=0, size=config.world_size, launched=config.strategy.needs_process_group)
         stack = contextlib.ExitStack()
@@ -175,23 +173,23 @@ class Predictor:
                 self.history_live = set(self.log.live_ids())
         except StrategyError as error:  # the trial cannot run either: it ends before training
             stack.close()
-            self.failure = {"refused": str(error)}
+            self.failure = Prediction.refused(str(error))
             return
         except FAKE_REFUSALS as error:  # value-dependent code cannot run on fake tensors
             stack.close()
-            self.failure = {"unpredictable": one_line(error)}
+            self.failure = Prediction.unpredictable(one_line(error))
             return
         except BaseException:  # a bug (harness's or the model's): a crash, traceback and all
             stack.close()
             raise
         self.stack, self.setup = stack, setup
 
-    def predict(self, batch_size: int) -> dict[str, Any]:
+    def predict(self, batch_size: int) -> Prediction:
         """The prediction at ``batch_size`` (see ``estimate_peak``)."""
         if self.setup is None and self.failure is None:
             self.build()
         if self.failure is not None:
-            return dict(self.failure)
+            return self.failure
         assert self.setup is not None
         config = replace(self.config, batch_size=batch_size)
         setup = replace(
@@ -203,13 +201,13 @@ class Predictor:
             prediction = self.window(setup, config)
         except FAKE_REFUSALS as error:  # this batch's step failed: its state is not to be reused
             self.close()
-            return {"unpredictable": one_line(error)}
+            return Prediction.unpredictable(one_line(error))
         except BaseException:
             self.close()
             raise
         return prediction
 
-    def window(self, setup: Setup, config: TrialConfig) -> dict[str, Any]:
+    def window(self, setup: Setup, config: TrialConfig) -> Prediction:
         staged = [
             setup.to_device(self.info.example_batch(config.batch_size))
             for _ in range(config.memory_steps)
@@ -237,44 +235,45 @@ class Predictor:
         )
         assert window.reading is not None
         reading = window.reading.metrics()
-        prediction: dict[str, Any] = {"predicted_peak_bytes": reading.pop("peak_allocated_bytes")}
-        prediction.update({f"predicted_{key}": value for key, value in reading.items()})
-        prediction["num_params"] = float(setup.num_params)
-        prediction["num_params_total"] = float(setup.num_params_total)
-        prediction["num_params_nf4"] = float(sum(p.numel() for p in parameters if is_nf4(p)))
-        prediction["predicted_model_state_bytes"] = model_state
-        if window.totals_tracker is not None:
-            prediction["totals"] = window.totals_tracker.totals
+        peak = reading["peak_allocated_bytes"]
+        breakdown = {c: reading[breakdown_metric(c)] for c in BREAKDOWN_CATEGORIES}
+        on_card, replay = None, None
         if self.log is not None and self.target is not None:
             window_events = self.log.events[start:]
-            memory = device_memory(
-                history,
-                window_events,
-                self.target.allocator,
-                self.target.card,
-                config.world_size,
-                # A fit search judges each of its budgets itself (REPLAY): unbounded here.
-                None if self.totals else self.target.budget(config),
+            replayable = Replayable(
+                history, window_events, self.target.allocator, self.target.card, config.world_size
             )
-            prediction.update(memory.metrics())
+            # A fit search judges each of its budgets itself (``replay``): unbounded here.
+            memory = replayable.device_memory(None if self.totals else self.target.budget(config))
             # max_memory_allocated counts blocks as the allocator hands them out: with the
             # cuBLAS workspaces it serves and the remainders too small to split off, which
             # tensor accounting does not see; they count as "other", as a measurement's do.
-            self.tracked_peak = prediction["predicted_peak_bytes"]
-            prediction["tracked_peak_bytes"] = self.tracked_peak  # what fit's moments model
-            prediction["predicted_peak_bytes"] = float(memory.allocated)
-            prediction["predicted_mem_other_bytes"] += memory.allocated - self.tracked_peak
-            prediction["card"] = self.target.card.name
-            prediction["note"] = target_note(self.target, self.kernels)
+            self.tracked_peak = peak
+            peak = float(memory.allocated)
+            breakdown["other"] += memory.allocated - self.tracked_peak
+            on_card = CardFigures(
+                reserved_bytes=float(memory.reserved),
+                device_bytes=float(memory.device),
+                context_bytes=float(memory.context),
+                nccl_bytes=float(memory.nccl),
+                fragmentation_bytes=float(memory.fragmentation),
+                card=self.target.card.name,
+                note=target_note(self.target, self.kernels),
+                tracked_peak_bytes=self.tracked_peak,  # what fit's moments model
+            )
             if self.totals:
-                prediction[REPLAY] = (
-                    history,
-                    window_events,
-                    self.target.allocator,
-                    self.target.card,
-                    config.world_size,
-                )
-        return prediction
+                replay = replayable
+        return Prediction(
+            peak_bytes=peak,
+            breakdown=breakdown,
+            num_params=float(setup.num_params),
+            num_params_total=float(setup.num_params_total),
+            num_params_nf4=float(sum(p.numel() for p in parameters if is_nf4(p))),
+            model_state_bytes=model_state,
+            totals=window.totals_tracker.totals if window.totals_tracker is not None else None,
+            on_card=on_card,
+            replay=replay,
+        )
 
     def history(self) -> list[tuple[int, int]]:
         """What the allocator saw before this window: the parameters and the warm-up step,
@@ -289,11 +288,11 @@ class Predictor:
         return [*events, *gone, *new]
 
 
-def replay_for_budget(replayable: tuple[Any, ...], budget: int) -> DeviceMemory | None:
-    """A prediction's device figures under a cap of another budget (``REPLAY``), for one whose
-    unbounded figure exceeds it: None when even freeing the cache and retrying does not fit."""
-    history, window, allocator, card, world_size = replayable
-    return capped(history, window, allocator, card, world_size, budget)
+def replay_for_budget(replayable: Replayable, budget: int) -> DeviceMemory | None:
+    """A prediction's device figures under a cap of another budget (``Prediction.replay``), for
+    one whose unbounded figure exceeds it: None when even freeing the cache and retrying does
+    not fit."""
+    return replayable.capped(budget)
 
 
 def one_line(error: Exception) -> str:
@@ -324,7 +323,7 @@ def host_guard(predicted_peak: float, device: torch.device) -> str | None:
     )
 
 
-def closed_form(config: TrialConfig, prediction: dict[str, float]) -> dict[str, float]:
+def closed_form(config: TrialConfig, prediction: Prediction) -> dict[str, float]:
     """Textbook cross-checks: model-state bytes from bytes per parameter, and (gpt) activations
     by Korthikanti et al. 2022, ``s*b*h*(34 + 5*a*s/h)`` per layer in 16-bit (full recomputation
     keeps ~``2*s*b*h``).
@@ -334,9 +333,11 @@ def closed_form(config: TrialConfig, prediction: dict[str, float]) -> dict[str, 
     and under qlora NF4's 4 bits plus one 8-bit scale per 64 values plus one fp32 scale per 256
     scales (Dettmers et al. 2023: 0.127 bit/param) = 0.5159 B/param.
     """
-    num_params = prediction["num_params"]
-    frozen = prediction.get("num_params_total", num_params) - num_params
-    nf4 = prediction.get("num_params_nf4", 0.0)
+    num_params = prediction.num_params
+    assert num_params is not None, "closed forms need a prediction's parameter counts"
+    total = prediction.num_params_total
+    frozen = (num_params if total is None else total) - num_params
+    nf4 = prediction.num_params_nf4 or 0.0
     infos = config.strategy.infos
     optimizer = next(
         (info.name for info in infos if info.group == "optimizer"), config.optimizer.name
@@ -377,9 +378,10 @@ def estimate_row(
     """One row of ``python -m harness.trial.estimate``: the prediction (or why there is none)
     and the closed-form cross-checks (the config is all it needs of the request)."""
     prediction = estimate_peak(config, device, as_cuda)
-    note = "; ".join(filter(None, (device_note(config, as_cuda), prediction.pop("note", ""))))
-    row = {"trial_key": config.trial_key, **prediction, "note": note}
-    if "num_params" in prediction:
+    note = "; ".join(filter(None, (device_note(config, as_cuda), prediction.note)))
+    fields = {k: v for k, v in prediction.to_dict().items() if k != "note"}
+    row = {"trial_key": config.trial_key, **fields, "note": note}
+    if prediction.ok:
         row.update(closed_form(config, prediction))
     return row
 

@@ -45,8 +45,8 @@ SMALL = 2**16  # elements: tensors up to this size are built for real (their val
 
 # What fake tensors raise where a step's path depends on values they do not have (an output
 # whose shape depends on data, a guard on a data-dependent size) or where an op has no fake
-# kernel: a step that raises one of these cannot be predicted, which the estimate says
-# ("unpredictable"). Any other exception is a bug, in harness or in the model, and a crash.
+# kernel: a step that raises one of these cannot be predicted, which the estimate says (an
+# ``unpredictable`` Prediction). Any other exception is a bug, in harness or in the model: a crash.
 FAKE_REFUSALS: tuple[type[Exception], ...] = (
     fake_tensor.DataDependentOutputException,
     fake_tensor.DynamicOutputShapeException,

@@ -37,7 +37,8 @@ import torch
 from harness.contract import DEFAULT_FIT_MAX
 from harness.cuda.device_memory import DeviceMemory
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import REPLAY, Predictor, replay_for_budget
+from harness.trial.estimate import Predictor, replay_for_budget
+from harness.trial.prediction import PEAK, Prediction
 from harness.trial.tool import serve
 
 AXES = ("batch_size", "seq_len")
@@ -59,31 +60,31 @@ def axis_step(config: TrialConfig, axis: str) -> int:
 class Curve:
     """Predictions of one configuration along the axis, cached, counted.
 
-    ``key`` is the figure judged against a budget: the allocated peak (CPU), or for a CUDA
-    target the device figure (the caching allocator's reservation + context + NCCL), what a
-    card runs out on."""
+    A prediction is judged against a budget on ``Prediction.judged_bytes``: the allocated peak
+    (CPU), or for a CUDA target the device figure (the caching allocator's reservation +
+    context + NCCL), what a card runs out on; ``key`` is that figure's name in an answer row."""
 
-    key = "predicted_peak_bytes"
+    key = PEAK
 
-    def __init__(self, predict: Callable[[int], dict[str, Any]], step: int) -> None:
+    def __init__(self, predict: Callable[[int], Prediction], step: int) -> None:
         self.predict_at = predict
         self.step = step
-        self.cache: dict[int, dict[str, Any]] = {}
+        self.cache: dict[int, Prediction] = {}
         self.totals: dict[int, list[int]] = {}  # the live total after every op, per value
         self.reads: set[int] = set()  # the values one answer consulted (its cost alone)
         self.bounded: dict[tuple[int, int], DeviceMemory | None] = {}  # fits_by_retrying's
 
-    def __call__(self, value: int) -> dict[str, Any]:
+    def __call__(self, value: int) -> Prediction:
         self.reads.add(value)
         if value not in self.cache:
             prediction = self.predict_at(value)
-            if "totals" in prediction:
-                self.totals[value] = prediction.pop("totals")
+            if prediction.totals is not None:
+                self.totals[value] = prediction.totals
             self.cache[value] = prediction
         return self.cache[value]
 
     def peak(self, value: int) -> float | None:
-        return self(value).get(self.key)
+        return self(value).judged_bytes
 
     def fits(self, value: int, budget: float) -> bool:
         peak = self.peak(value)
@@ -93,7 +94,7 @@ class Curve:
         """Whether a cached value fits (None: not predictable), not counted as a read:
         scanning the cache for a bracket costs this answer nothing (else every answer after
         the first would count all earlier budgets' predictions as its own)."""
-        peak = self.cache[value].get(self.key)
+        peak = self.cache[value].judged_bytes
         if peak is None:
             return None
         return peak <= budget or self.fits_by_retrying(value, budget)
@@ -107,7 +108,7 @@ class Curve:
     def within(self, value: int, budget: float) -> DeviceMemory | None:
         """The device figures of ``value`` replayed under a cap of ``budget``; None when they
         do not fit even so (or the prediction cannot be replayed: a CPU target)."""
-        replayable = self.cache[value].get(REPLAY)
+        replayable = self.cache[value].replay
         if replayable is None:
             return None
         key = (value, int(budget))
@@ -119,13 +120,16 @@ class Curve:
         """How far the judged figure lies above the tensors' peak (the allocator's cached
         segments, its workspaces and what lives outside it), the most at any of ``values``:
         what the moments' model (of tensor bytes) must leave free of the budget."""
-        if self.key == "predicted_peak_bytes":
+        if self.key == PEAK:
             return 0.0
         return max(
-            self.cache[v][self.key]
-            - self.cache[v].get("tracked_peak_bytes", self.cache[v]["predicted_peak_bytes"])
-            for v in values
-            if v in self.cache and self.key in self.cache[v]
+            judged - tracked
+            for judged, tracked in (
+                (self.cache[v].judged_bytes, self.cache[v].tensor_peak_bytes)
+                for v in values
+                if v in self.cache
+            )
+            if judged is not None and tracked is not None
         )
 
 
@@ -327,7 +331,7 @@ def fit_config(
         return answers(curve, budgets, maximum, quadratic=axis == "seq_len")
 
 
-def predict_fresh(config: TrialConfig, device: torch.device, as_cuda: bool) -> dict[str, Any]:
+def predict_fresh(config: TrialConfig, device: torch.device, as_cuda: bool) -> Prediction:
     """One prediction of a model built for it (a sequence length shapes the model)."""
     with Predictor(config, device, as_cuda, steps_run=1, totals=True) as predictor:
         return predictor.predict(config.batch_size)
@@ -338,13 +342,13 @@ def answers(
 ) -> list[dict[str, Any]]:
     """``fit_config``'s rows, from its curve."""
     first = curve(probe_values(curve.step, maximum, quadratic)[0])
-    if "predicted_peak_bytes" not in first:  # perhaps too large a value to run: the smallest
+    if not first.ok:  # perhaps too large a value to run: the smallest
         first = curve(curve.step)
-    if "predicted_peak_bytes" not in first:  # unpredictable or refused: the same at any value
+    if not first.ok:  # unpredictable or refused: the same at any value
         reads = len(curve.reads)
-        first = {k: v for k, v in first.items() if k != REPLAY}
-        return [{"budget_bytes": b, "value": None, **first, "predictions": reads} for b in budgets]
-    if "predicted_device_bytes" in first:  # a CUDA target: judged on what the card holds
+        why = first.to_dict()
+        return [{"budget_bytes": b, "value": None, **why, "predictions": reads} for b in budgets]
+    if first.on_card is not None:  # a CUDA target: judged on what the card holds
         curve.key = "predicted_device_bytes"
     rows = []
     for budget in budgets:
@@ -354,9 +358,10 @@ def answers(
         row: dict[str, Any] = {"budget_bytes": budget, "value": value, "method": answer["method"]}
         if value:
             at = curve(value)
-            row.update({k: v for k, v in at.items() if k.startswith("predicted_")})
-            row.update({k: at[k] for k in ("card", "note") if k in at})
-            if at.get(curve.key, 0) > budget:  # fits only by freeing the cache and retrying
+            fields = at.to_dict()
+            row.update({k: v for k, v in fields.items() if k.startswith("predicted_")})
+            row.update({k: fields[k] for k in ("card", "note") if k in fields})
+            if (at.judged_bytes or 0) > budget:  # fits only by freeing the cache and retrying
                 bounded = curve.within(value, budget)
                 if bounded is not None:
                     row.update(bounded.metrics())
@@ -367,8 +372,8 @@ def answers(
         nxt = value + curve.step
         if nxt <= maximum:
             row["next_value"] = nxt
-            row["next_predicted_peak_bytes"] = curve(nxt).get("predicted_peak_bytes")
-            if curve.key != "predicted_peak_bytes":
+            row["next_predicted_peak_bytes"] = curve(nxt).peak_bytes
+            if curve.key != PEAK:
                 row[f"next_{curve.key}"] = curve.peak(nxt)
         rows.append(row)
     return rows

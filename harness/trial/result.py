@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     OK = "ok"
     OOM = "oom"
     INFEASIBLE = "infeasible"
     TIMEOUT = "timeout"
     CRASH = "crash"
     DIVERGED = "diverged"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # A trial ended so may succeed when launched again (limits.retries).

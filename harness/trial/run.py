@@ -35,6 +35,7 @@ from harness.trial.device import device_name, emulate_card, resolve_device
 from harness.trial.distributed import GroupFailure, Ranks
 from harness.trial.estimate import estimate_peak, host_guard
 from harness.trial.loop import Measurements, TrainingLoop
+from harness.trial.prediction import Outcome
 from harness.trial.result import Status, TrialFailure, TrialResult
 from harness.trial.setup import build_setup
 from harness.units import format_bytes
@@ -144,27 +145,26 @@ def predict(
 ) -> None:
     """Predict the peak before training; a trial that cannot fit is not run (``infeasible``)."""
     prediction = estimate_peak(config, device, strategies=strategies)
-    if "refused" in prediction:
-        raise TrialFailure(Status.CRASH, prediction["refused"])
-    if "unpredictable" in prediction:
-        measured.info["prediction"] = prediction["unpredictable"]
+    if prediction.outcome is Outcome.REFUSED:
+        raise TrialFailure(Status.CRASH, prediction.reason)
+    if prediction.outcome is Outcome.UNPREDICTABLE:
+        measured.info["prediction"] = prediction.reason
         return
-    peak = prediction["predicted_peak_bytes"]
+    peak = prediction.peak_bytes
+    assert peak is not None
     measured.metrics["predicted_peak_bytes"] = peak
-    for name in ("predicted_reserved_bytes", "predicted_device_bytes"):
-        if name in prediction:
-            measured.metrics[name] = prediction[name]
-    if "predicted_device_bytes" in prediction:  # what lives beside the allocator on the card
-        measured.outside_bytes = int(
-            prediction["predicted_context_bytes"] + prediction["predicted_nccl_bytes"]
-        )
-        measured.info["prediction"] = prediction.get("note", "")
+    card = prediction.on_card
+    if card is not None:  # a CUDA target: what the card holds, and what lives beside the allocator
+        measured.metrics["predicted_reserved_bytes"] = card.reserved_bytes
+        measured.metrics["predicted_device_bytes"] = card.device_bytes
+        measured.outside_bytes = int(card.context_bytes + card.nccl_bytes)
+        measured.info["prediction"] = card.note
     if config.run_infeasible:
         return
     budget = config.device_memory_bytes
-    judged = prediction.get("predicted_device_bytes", peak)  # CUDA: what the card holds
+    judged = card.device_bytes if card is not None else peak  # CUDA: what the card holds
     if budget is not None and judged > budget:
-        what = "device bytes (reserved + context)" if judged is not peak else "peak"
+        what = "device bytes (reserved + context)" if card is not None else "peak"
         raise TrialFailure(
             Status.INFEASIBLE,
             f"predicted {what} {format_bytes(judged)} exceeds device_memory {format_bytes(budget)}",
