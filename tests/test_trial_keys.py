@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from harness.spec import on_hardware, parse_spec, trial_configs
-from harness.spec.grid import points, with_max_batch
+from harness.spec import SweepPlan, parse_spec, trial_configs
 from harness.trial.config import TrialConfig
 from tests.conftest import BASE_SPEC
 
@@ -83,12 +82,14 @@ def configs(case: str) -> list[TrialConfig]:
             allocator="expandable_segments:True",
             device="cuda",
         )
-        spec = on_hardware(parse_spec(data), HARDWARE)
+        plan = SweepPlan(parse_spec(data)).on_hardware(HARDWARE)
         found = {
             (p["model_size"], p["dtype"], p["strategy"]): {"batch_size": 64, "search": "max: 64"}
-            for p in points(spec)
+            for p in plan.points
         }
-        spec = with_max_batch(spec, found)
+        return [
+            replace(config, python_path=["/spec"]) for config in plan.with_max_batch(found).configs
+        ]
     else:
         raise ValueError(case)
     return [replace(config, python_path=["/spec"]) for config in trial_configs(spec)]
