@@ -32,8 +32,8 @@ def main(config_path: str, out_path: str) -> None:
     model = workload.model.to(device).train()
     optimizer = torch.optim.Adam(
         model.parameters(),
-        lr=config.optimizer.get("lr", 1e-3),
-        foreach=config.optimizer.get("foreach", False),
+        lr=config.optimizer.lr,
+        foreach=config.optimizer.foreach,
         fused=False,
     )
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.dtype)

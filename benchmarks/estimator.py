@@ -32,7 +32,7 @@ from typing import Any
 from benchmarks.figures import Figure, at_most, within
 from harness.spec import load_spec, parse_spec, trial_configs
 from harness.sweep.launch import launch_trial
-from harness.trial.config import TrialConfig
+from harness.trial.config import Budget, TrialConfig
 from harness.units import format_bytes
 
 SPECS = (
@@ -87,7 +87,7 @@ LARGE = (
 def measured_only(config: TrialConfig) -> TrialConfig:
     """The same trial, trained only through its memory window (plus one timed step)."""
     steps = config.warmup_steps + config.memory_steps + 1
-    return dataclasses.replace(config, budget={"steps": steps}, timed_steps=1)
+    return dataclasses.replace(config, budget=Budget(steps=steps), timed_steps=1)
 
 
 def measure_spec(path: str, log: Callable[[str], None], workdir: Path) -> list[dict[str, Any]]:

@@ -21,7 +21,9 @@ from harness.analyse.pareto import analyse, feasible, non_dominated
 from harness.metrics import DEFAULT_OBJECTIVES
 from harness.record.tracking import Tracker
 from harness.results import load
-from harness.trial.config import TrialConfig
+from harness.strategies.combination import Combination
+from harness.strategies.settings import OptimizerSettings
+from harness.trial.config import Budget, TrialConfig
 from harness.trial.result import Status, TrialResult
 
 RECORDS = 10_000
@@ -96,9 +98,9 @@ def write_records(folder: Path, log: Callable[[str], None]) -> tuple[str, float]
             data_options={},
             batch_size=rng.choice([16, 32, 64, 128, 256]),
             dtype=rng.choice(["fp32", "bf16"]),
-            strategy=rng.choice(STRATEGIES),
-            optimizer={"name": "adam", "lr": 1e-3},
-            budget={"steps": 100},
+            strategy=Combination.parse(rng.choice(STRATEGIES)),
+            optimizer=OptimizerSettings(name="adam", lr=1e-3),
+            budget=Budget(steps=100),
             seed=index,  # every record a distinct trial
             device_memory_bytes=BUDGET,
         )

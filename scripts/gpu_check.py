@@ -171,7 +171,7 @@ def trial(
         **extra,
     }
     known = {f.name for f in dataclasses.fields(TrialConfig)}
-    return TrialConfig(**{k: v for k, v in values.items() if k in known})
+    return TrialConfig.from_dict({k: v for k, v in values.items() if k in known})
 
 
 def plan(mode: str, have: dict[str, bool]) -> list[Check]:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from harness.spec import parse_spec, trial_configs
+from harness.strategies.combination import Combination
 from harness.sweep.fit import upper_bound
 from harness.sweep.launch import launch_trial
 from harness.trial.config import TrialConfig
@@ -182,7 +183,7 @@ def test_one_built_model_predicts_each_batch_as_a_fresh_estimate_does(strategy):
     config = case_config("hf-none")
     knobs = {**config.model_knobs, "num_hidden_layers": 2}
     terms = [strategy] if isinstance(strategy, str) else strategy
-    config = replace(config, model_knobs=knobs, strategy=terms, memory_steps=2)
+    config = replace(config, model_knobs=knobs, strategy=Combination.parse(terms), memory_steps=2)
     with Predictor(at_value(config, "batch_size", 4), CPU) as predictor:
         shared = {batch: predictor.predict(batch) for batch in (8, 4, 12)}
     with Predictor(at_value(config, "batch_size", 4), CPU, steps_run=1) as predictor:

@@ -55,7 +55,7 @@ def test_defaults_fill_optional_sections():
             "grid": {"batch_size": [8]},
         }
     )
-    assert spec.grid.dtype == ["fp32"] and spec.grid.strategy == ["none"]
+    assert spec.grid.dtype == ["fp32"] and spec.axes()["strategy"] == ["none"]
     assert spec.tracking.mlflow_uri == "sqlite:///results/mlflow.db"
     assert spec.device == "auto" and spec.device_memory is None
     assert spec.train.budget.epochs == 1

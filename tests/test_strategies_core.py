@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
 
 from harness.spec import SpecError, parse_spec, trial_configs
+from harness.strategies.combination import Combination
 from harness.sweep.launch import launch_trial
 from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC
@@ -150,3 +152,35 @@ def test_harness_validate_names_both_strategies(tmp_path):
         f"{path}: grid.strategy[0]: 'adafactor' and 'sgd_momentum' cannot be combined: "
         "both choose the optimizer"
     )
+
+
+def test_a_combination_keeps_the_text_as_written_and_asks_the_registry():
+    written = ["checkpoint:", "accumulate: 4", "ddp:2"]
+    combination = Combination.parse(written)
+    assert combination.texts == written and combination.text == "checkpoint:+accumulate: 4+ddp:2"
+    assert Combination.parse(combination.text) == combination  # the one-string form parses back
+    assert [term.given for term in combination] == [None, " 4", "2"]  # what each strategy gets
+    assert (combination.world_size, combination.batch_step) == (2, 8)
+    assert combination.needs_process_group and not combination.has_group("adapters")
+    assert Combination.parse(["none"]).world_size == 1
+    assert Combination.parse("fsdp:1").needs_process_group  # one rank still runs under torchrun
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ([], "an empty strategy combination"),
+        ("chekpoint", "unknown strategy 'chekpoint'"),
+        ("amp", "mixed precision is the dtype axis"),
+        ("accumulate", "needs an argument: accumulate:<micro-batches per step>"),
+        ("accumulate:x", "micro-batches per step must be an integer (got 'x')"),
+        ("prune:1.5", "must be between 0 and 1 (exclusive) (got 1.5)"),
+        ("keep_grads:2", "takes no argument"),
+        ("none+checkpoint", "'none' cannot be combined"),
+        ("sgd+adamw", "both choose the optimizer"),
+        ("fsdp_mixed", "'fsdp_mixed' modifies 'fsdp'"),
+    ],
+)
+def test_a_bad_combination_says_why(written, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Combination.parse(written)

@@ -23,6 +23,7 @@ from harness.strategies.memory_management import (
     OffloadActivations,
 )
 from harness.strategies.optimizers import Adafactor, Adam8bit, AdamW, Sgd, SgdMomentum
+from harness.strategies.settings import OptimizerSettings
 from harness.trial.optim import build_optimizer
 from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC
@@ -72,22 +73,23 @@ def test_adafactor_keeps_far_less_state_than_adam():
 
 
 def test_optimizer_strategies_keep_lr_weight_decay_and_foreach():
-    trial_spec = {"name": "adam", "lr": 0.5, "weight_decay": 0.1, "foreach": True}
-    ctx = TrialContext(torch.device("cpu"), "fp32", "mlp", None, 8)
     kept = {"lr": 0.5, "weight_decay": 0.1, "foreach": True}
-    assert Sgd().optimizer(trial_spec, ctx) == {"name": "sgd", **kept, "momentum": 0.0}
-    assert SgdMomentum().optimizer(trial_spec, ctx) == {"name": "sgd", **kept, "momentum": 0.9}
-    for strategy, name in [
-        (AdamW(), "adamw"),
-        (Adafactor(), "adafactor"),
-        (Adam8bit(), "adam8bit"),
-    ]:
-        assert strategy.optimizer(trial_spec, ctx) == {"name": name, **kept}
+    trial_settings = OptimizerSettings(name="sgd", momentum=0.5, **kept)
+    ctx = TrialContext(torch.device("cpu"), "fp32", "mlp", None, 8)
+    swapped = {
+        Sgd(): OptimizerSettings("sgd", momentum=0.0, **kept),
+        SgdMomentum(): OptimizerSettings("sgd", momentum=0.9, **kept),
+        AdamW(): OptimizerSettings("adamw", **kept),
+        Adafactor(): OptimizerSettings("adafactor", **kept),
+        Adam8bit(): OptimizerSettings("adam8bit", **kept),
+    }
+    for strategy, expected in swapped.items():
+        assert strategy.optimizer(trial_settings, ctx) == expected
 
 
 def test_adafactor_builds_with_explicit_foreach():
     params = [torch.nn.Parameter(torch.ones(4, 4))]
-    optimizer = build_optimizer({"name": "adafactor", "lr": 0.01, "foreach": True}, params)
+    optimizer = build_optimizer(OptimizerSettings("adafactor", lr=0.01, foreach=True), params)
     assert isinstance(optimizer, torch.optim.Adafactor)
     assert optimizer.defaults["foreach"] is True
 

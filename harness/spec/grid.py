@@ -14,7 +14,6 @@ from typing import Any
 from harness.cuda.cards import CATALOGUE
 from harness.spec.errors import SpecError, did_you_mean
 from harness.spec.schema import MAX_BATCH, Spec
-from harness.strategies import STRATEGIES, batch_step, parse_term
 from harness.trial.config import TrialConfig
 
 # What a ``batch_size: max`` resolves to per (model size, dtype, strategy): the batch it
@@ -88,13 +87,15 @@ class SweepPlan:
             return int(value), None
         found = self.max_batch.get(max_batch_key(point))
         if found is None:
-            return batch_step(point["strategy"].split("+")), f"{MAX_BATCH}: not resolved"
+            step = self.spec.grid.combination(point["strategy"]).batch_step
+            return step, f"{MAX_BATCH}: not resolved"
         return int(found["batch_size"]), str(found["search"])
 
     def trial_config(self, point: Mapping[str, Any]) -> TrialConfig:
         """The trial at one grid point (``batch_size: max``: the resolved batch, ``batch_of``)."""
         spec, hardware = self.spec, self.hardware
         size = point["model_size"]
+        combination = spec.grid.combination(point["strategy"])
         batch_size, batch_size_search = self.batch_of(point)
         spec_dir = str(Path(spec._source).resolve().parent) if spec._source else str(Path.cwd())
         return TrialConfig(
@@ -106,9 +107,9 @@ class SweepPlan:
             data_options=spec.data.options(),
             batch_size=batch_size,
             dtype=point["dtype"],
-            strategy=point["strategy"].split("+"),
-            optimizer=spec.train.optimizer.model_dump(),
-            budget=spec.train.budget.as_dict(),
+            strategy=combination,
+            optimizer=spec.train.optimizer.settings(),
+            budget=spec.train.budget.budget(),
             seed=spec.train.seed,
             warmup_steps=spec.measure.warmup_steps,
             memory_steps=spec.measure.memory_steps,
@@ -117,7 +118,8 @@ class SweepPlan:
             device_memory_bytes=spec.memory_budget,
             model_loss=spec.model.loss,
             hardware=dict(hardware) if hardware else None,
-            lora=spec.train.lora.model_dump() if uses_adapters(point["strategy"]) else None,
+            # train.lora only where an adapter strategy reads it (other trials keep their keys)
+            lora=spec.train.lora.settings() if combination.has_group("adapters") else None,
             python_path=[spec_dir, str(Path.cwd())],
             run_infeasible=spec.limits.run_infeasible,
             timeline=spec.measure.timeline,
@@ -148,11 +150,6 @@ def trial_configs(spec: Spec) -> list[TrialConfig]:
 
 def grid_hash(spec: Spec) -> str:
     return SweepPlan(spec).grid_hash
-
-
-def uses_adapters(strategy: str) -> bool:
-    """Whether a grid point's strategy reads ``train.lora``."""
-    return any(STRATEGIES[parse_term(term)[0]].group == "adapters" for term in strategy.split("+"))
 
 
 def with_card(spec: Spec, card: str | None, cards: str | None = None) -> Spec:

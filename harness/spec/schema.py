@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, cast, get_args
 
 from pydantic import (
     AfterValidator,
@@ -41,6 +41,14 @@ from harness.cuda.allocator import AllocatorConfig
 from harness.cuda.cards import CATALOGUE, Card
 from harness.metrics import METRICS, Objective
 from harness.spec.errors import FieldProblem, did_you_mean, require_known
+from harness.strategies.combination import Combination
+from harness.strategies.settings import (
+    DEFAULT_LORA,
+    DEFAULT_OPTIMIZER,
+    LoraSettings,
+    OptimizerSettings,
+)
+from harness.trial.config import Budget
 from harness.units import parse_bytes, parse_seconds
 from harness.workloads import (
     DATASETS,
@@ -223,12 +231,14 @@ class DataSpec(Strict):
         return chosen
 
 
-def _strategy_entry(entry: Any) -> str:
+def _strategy_entry(entry: Any) -> Combination:
+    """One ``grid.strategy`` entry, parsed and checked once (the grid's points and trials
+    reuse the result)."""
     terms = entry if isinstance(entry, list) else [entry]
     if not terms or not all(isinstance(t, str) and t.strip() for t in terms):
         raise ValueError("each entry is a strategy name or a list of names")
     try:
-        return "+".join(strategies.canonical(terms))
+        return Combination.parse(terms)
     except ValueError as error:
         message = str(error)
         if message.startswith("unknown strategy"):
@@ -245,7 +255,8 @@ def _no_duplicates(values: list[Any]) -> list[Any]:
     seen: list[Any] = []
     for index, value in enumerate(values):
         if value in seen:
-            raise FieldProblem([index], f"duplicate value {value!r}")
+            shown = value.text if isinstance(value, Combination) else value
+            raise FieldProblem([index], f"duplicate value {shown!r}")
         seen.append(value)
     return values
 
@@ -278,17 +289,30 @@ class GridSpec(Strict):
     dtype: Annotated[list[DType], AfterValidator(_no_duplicates)] = Field(
         default=["fp32"], min_length=1
     )
+    # Each entry a validated Combination; grid points hold its text (``Spec.axes``).
     strategy: Annotated[
         list[Annotated[Any, AfterValidator(_strategy_entry)]], AfterValidator(_no_duplicates)
-    ] = Field(default=["none"], min_length=1)
+    ] = Field(default=["none"], min_length=1, validate_default=True)
+
+    def combination(self, text: str) -> Combination:
+        """The validated combination a grid point names by its text."""
+        for combination in self.strategy:
+            if combination.text == text:
+                return combination
+        return Combination.parse(text)  # not one of this grid's (a hand-made point)
 
 
 class OptimizerSpec(Strict):
-    name: SpecOptimizer = "adam"
-    lr: PositiveFloat = 1e-3
-    weight_decay: float = Field(default=0.0, ge=0)
-    momentum: float = Field(default=0.0, ge=0, lt=1)
-    foreach: bool = False
+    """``train.optimizer``; the defaults are ``OptimizerSettings``'."""
+
+    name: SpecOptimizer = cast(SpecOptimizer, DEFAULT_OPTIMIZER.name)
+    lr: PositiveFloat = DEFAULT_OPTIMIZER.lr
+    weight_decay: float = Field(default=DEFAULT_OPTIMIZER.weight_decay, ge=0)
+    momentum: float = Field(default=DEFAULT_OPTIMIZER.momentum, ge=0, lt=1)
+    foreach: bool = DEFAULT_OPTIMIZER.foreach
+
+    def settings(self) -> OptimizerSettings:
+        return OptimizerSettings(**self.model_dump())
 
     @model_validator(mode="after")
     def momentum_is_sgd_only(self) -> OptimizerSpec:
@@ -303,24 +327,33 @@ class BudgetSpec(Strict):
 
     @model_validator(mode="after")
     def exactly_one(self) -> BudgetSpec:
-        if (self.epochs is None) == (self.steps is None):
-            raise ValueError("give exactly one of epochs or steps")
+        self.budget()  # Budget says what a valid one is
         return self
 
+    def budget(self) -> Budget:
+        return Budget(self.epochs, self.steps)
+
     def as_dict(self) -> dict[str, int]:
-        return (
-            {"epochs": self.epochs} if self.epochs is not None else {"steps": int(self.steps or 0)}
-        )
+        """The one that is set, as the trial JSON and the MLflow ``budget`` param write it."""
+        return self.budget().to_dict()
+
+
+LoraBaseDType = Literal["auto", "fp32", "bf16", "fp16"]
 
 
 class LoraSpec(Strict):
-    """Settings of the lora/qlora strategies (their rank is the strategy's argument)."""
+    """Settings of the lora/qlora strategies (their rank is the strategy's argument); what each
+    means and its default: ``LoraSettings``."""
 
-    alpha: PositiveFloat | None = None  # None: the rank (adapter scaling alpha/r = 1)
-    dropout: float = Field(default=0.0, ge=0, lt=1)
-    # Module names, or name suffixes (q_proj, mlp.fc1); None: every Linear of the repeated blocks.
-    targets: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
-    base_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: the dtype axis'
+    alpha: PositiveFloat | None = DEFAULT_LORA.alpha
+    dropout: float = Field(default=DEFAULT_LORA.dropout, ge=0, lt=1)
+    targets: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None if DEFAULT_LORA.targets is None else list(DEFAULT_LORA.targets), min_length=1
+    )
+    base_dtype: LoraBaseDType = cast(LoraBaseDType, DEFAULT_LORA.base_dtype)
+
+    def settings(self) -> LoraSettings:
+        return LoraSettings.from_dict(self.model_dump())
 
 
 class TrainSpec(Strict):
@@ -526,19 +559,17 @@ class Spec(Strict):
                 f"model family {family.name} trains on {' or '.join(family.datasets)}, "
                 f"not {self.data.dataset!r}",
             )
-        for index, entry in enumerate(self.grid.strategy):
-            terms = entry.split("+")
+        for index, combination in enumerate(self.grid.strategy):
             device = self.device
             if device == "auto" and any(
-                strategies.STRATEGIES[strategies.parse_term(t)[0]].devices != strategies.ALL_DEVICES
-                for t in terms
+                info.devices != strategies.ALL_DEVICES for info in combination.infos
             ):
                 device = local_device()
             for dtype, batch in itertools.product(self.grid.dtype, self.grid.batch_size):
                 # max becomes a multiple of what the strategies split a batch into
-                batch_size = strategies.batch_step(terms) if batch == MAX_BATCH else batch
+                batch_size = combination.batch_step if batch == MAX_BATCH else batch
                 try:
-                    strategies.check_context(terms, dtype, self.model.family, device, batch_size)
+                    combination.check_context(dtype, self.model.family, device, batch_size)
                 except ValueError as error:
                     raise FieldProblem(["grid", "strategy", index], str(error)) from None
         return self
@@ -625,8 +656,10 @@ class Spec(Strict):
         return min(budgets) if budgets else None
 
     def axes(self) -> dict[str, list[Any]]:
-        """The grid's axes in order (``harness.contract.AXES``); the trials are their product."""
-        values = (self.model.sizes, self.grid.batch_size, self.grid.dtype, self.grid.strategy)
+        """The grid's axes in order (``harness.contract.AXES``); the trials are their product.
+        Plain values (what Optuna samples and a grid point holds): a strategy as its text."""
+        texts = [combination.text for combination in self.grid.strategy]
+        values = (self.model.sizes, self.grid.batch_size, self.grid.dtype, texts)
         return {axis: list(value) for axis, value in zip(AXES, values, strict=True)}
 
 

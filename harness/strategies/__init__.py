@@ -3,7 +3,12 @@
 A spec names a strategy as ``name`` or ``name:arg`` (e.g. ``accumulate:4``); a grid entry may
 combine several (``[checkpoint, accumulate:4]``), written canonically as ``checkpoint+accumulate:4``.
 The registry is plain data (no torch import) so specs validate without loading model code.
-Adding a strategy: a module with a ``Strategy`` subclass plus one entry in ``STRATEGIES``.
+``combination.py`` parses and checks terms and combinations against it (``Term``,
+``Combination``), once, at spec validation; everything else asks those objects.
+
+Adding a strategy: a module with a ``Strategy`` subclass plus one entry in ``STRATEGIES``; every
+fact another layer needs about it (argument rules, clashes, devices, families, what it splits,
+whether it can be predicted, its search cost, its closed-form effect) is a field of that entry.
 
 Mixed precision is not a strategy: it is the ``dtype`` axis (``bf16``/``fp16`` autocast).
 """
@@ -304,121 +309,3 @@ ALIASES = {
     "amp_fp16": "mixed precision is the dtype axis: use grid.dtype: [fp16] (autocast + GradScaler)",
     "amp": "mixed precision is the dtype axis: use grid.dtype: [bf16] or [fp16]",
 }
-
-
-def parse_term(term: str) -> tuple[str, str | None]:
-    """Split ``name:arg`` and check it against the registry; raise ``ValueError`` when wrong."""
-    name, sep, arg = str(term).strip().partition(":")
-    if name in ALIASES:
-        raise ValueError(f"{name!r} is not a strategy: {ALIASES[name]}")
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}")
-    info = STRATEGIES[name]
-    if info.arg is None and sep:
-        raise ValueError(f"strategy {name!r} takes no argument (got {term!r})")
-    if info.arg is not None:
-        if not sep or not arg:
-            if info.arg_optional:
-                return name, None
-            raise ValueError(f"strategy {name!r} needs an argument: {name}:<{info.arg}>")
-        if info.arg_type is not None:
-            try:
-                value = info.arg_type(arg)
-            except ValueError:
-                kind = "an integer" if info.arg_type is int else "a number"
-                raise ValueError(
-                    f"strategy {name!r}: {info.arg} must be {kind} (got {arg!r})"
-                ) from None
-            if value <= 0 or (info.arg_max is not None and value >= info.arg_max):
-                bound = (
-                    f"between 0 and {info.arg_max:g} (exclusive)" if info.arg_max else "positive"
-                )
-                raise ValueError(f"strategy {name!r}: {info.arg} must be {bound} (got {arg})")
-    return name, (arg if sep else None)
-
-
-def canonical(terms: list[str]) -> list[str]:
-    """Validate one combination of strategies; raise ``ValueError`` naming the clashing pair."""
-    names = [parse_term(term)[0] for term in terms]
-    if not names:
-        raise ValueError("an empty strategy combination; use 'none' for plain training")
-    if "none" in names and len(names) > 1:
-        raise ValueError("'none' cannot be combined with other strategies")
-    for i, first in enumerate(names):
-        for second in names[i + 1 :]:
-            if first == second:
-                raise ValueError(f"strategy {first!r} appears twice in one combination")
-            a, b = STRATEGIES[first], STRATEGIES[second]
-            if a.group is not None and a.group == b.group:
-                raise ValueError(
-                    f"{first!r} and {second!r} cannot be combined: both choose the {a.group}"
-                )
-            if second in a.conflicts or first in b.conflicts:
-                raise ValueError(f"{first!r} and {second!r} cannot be combined")
-    for name in names:
-        needed = STRATEGIES[name].requires
-        if needed is not None and needed not in names:
-            raise ValueError(
-                f"{name!r} modifies {needed!r}: combine them, e.g. [{needed}:2, {name}]"
-            )
-    return [str(term).strip() for term in terms]
-
-
-def check_context(terms: list[str], dtype: str, family: str, device: str, batch_size: int) -> None:
-    """Check a combination against the other axes of a grid point; ``ValueError`` if it clashes."""
-    splits = 1
-    for term in terms:
-        name, arg = parse_term(term)
-        info = STRATEGIES[name]
-        if info.splits_batch and arg is not None:
-            splits *= int(arg)
-            if batch_size % splits:
-                raise ValueError(
-                    f"{'+'.join(terms)} splits each batch {splits} ways: batch_size {batch_size} is not a multiple of {splits}"
-                )
-        if dtype in info.bad_dtypes:
-            raise ValueError(f"strategy {name!r} cannot be combined with dtype {dtype!r}")
-        if info.families is not None and family not in info.families:
-            raise ValueError(
-                f"strategy {name!r} only applies to model families {', '.join(info.families)} (not {family!r})"
-            )
-        if device != "auto" and device.split(":")[0] not in info.devices:
-            raise ValueError(
-                f"strategy {name!r} needs device {' or '.join(info.devices)}; this trial would run on {device!r}"
-            )
-
-
-def world_size(terms: list[str]) -> int:
-    """Processes a trial with these strategies runs on (``ddp:N`` / ``fsdp:N``), else 1."""
-    for term in terms:
-        name, arg = parse_term(term)
-        if STRATEGIES[name].group == "parallel" and arg is not None:
-            return int(arg)
-    return 1
-
-
-def batch_step(terms: list[str]) -> int:
-    """The batch sizes these strategies allow are the multiples of this: each ``ddp:N``,
-    ``fsdp:N`` and ``accumulate:K`` splits the batch that many ways."""
-    step = 1
-    for term in terms:
-        name, arg = parse_term(term)
-        if STRATEGIES[name].splits_batch and arg is not None:
-            step *= int(arg)
-    return step
-
-
-def needs_process_group(terms: list[str]) -> bool:
-    """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``, ``N = 1`` included."""
-    return any(STRATEGIES[parse_term(term)[0]].group == "parallel" for term in terms)
-
-
-def build_strategies(terms: list[str]) -> list[Any]:
-    """Instantiate the strategies of a trial (imports their modules, hence torch)."""
-    from harness.workloads import resolve
-
-    built = []
-    for term in terms:
-        name, arg = parse_term(term)
-        built.append(resolve(STRATEGIES[name].impl)(arg))
-    return built

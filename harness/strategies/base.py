@@ -8,7 +8,7 @@ A strategy overrides only the hooks it needs, so strategies compose by being app
    the optimizer exists (checkpointing, low-precision parameters, pruning, compilation).
    ``shard_options()`` - asked before that: arguments other strategies add to FSDP's
    ``fully_shard`` (``fsdp_mixed``'s mixed-precision policy, ``fsdp_offload``'s CPU offload).
-3. ``optimizer(spec, ctx)`` - may replace the optimizer spec (sgd, adafactor, ...).
+3. ``optimizer(settings, ctx)`` - may replace the optimizer settings (sgd, adafactor, ...).
 4. ``prepare_batch(x)`` - each floating-point tensor of a batch, once on the device (memory
    format, dtype).
 5. ``micro_batches()`` / ``zero_grad_set_to_none()`` / ``step_context()`` - how a step runs.
@@ -18,12 +18,14 @@ A strategy overrides only the hooks it needs, so strategies compose by being app
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from harness.strategies.settings import LoraSettings, OptimizerSettings
 
 
 class StrategyError(ValueError):
@@ -41,7 +43,7 @@ class TrialContext:
     data: Any  # harness.workloads.tensors.SplitData (CPU tensors); None while estimating
     batch_size: int
     task: Any = None  # harness.workloads.task.Task: how the model is called and scored
-    lora: Mapping[str, Any] = field(default_factory=dict)  # the spec's train.lora (lora, qlora)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # train.lora (lora, qlora read it)
     # What the strategies' shard_options() asked of fully_shard (fsdp reads it).
     shard_options: dict[str, Any] = field(default_factory=dict)
     # How a strategy builds new modules (adapters): as the model was built, so while estimating
@@ -70,8 +72,8 @@ class Strategy:
     def shard_options(self, ctx: TrialContext) -> dict[str, Any]:
         return {}
 
-    def optimizer(self, spec: dict[str, Any], ctx: TrialContext) -> dict[str, Any]:
-        return spec
+    def optimizer(self, settings: OptimizerSettings, ctx: TrialContext) -> OptimizerSettings:
+        return settings
 
     def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
         return x

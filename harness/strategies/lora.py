@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 
 from harness.strategies.base import Strategy, StrategyError, TrialContext
 from harness.strategies.checkpoint import repeated_blocks
+from harness.strategies.settings import LoraSettings
 from harness.workloads.convert import convert
 
 NF4_BLOCK = 64  # values per absmax scale (QLoRA's block size)
@@ -56,10 +56,10 @@ def import_peft() -> Any:
     return peft
 
 
-def base_dtype(options: Mapping[str, Any], dtype_axis: str) -> torch.dtype:
+def base_dtype(options: LoraSettings, dtype_axis: str) -> torch.dtype:
     """The frozen base's storage dtype: ``train.lora.base_dtype``, or for ``auto`` the dtype
     axis' 16-bit type (fp32 under fp32)."""
-    chosen = str(options.get("base_dtype", "auto"))
+    chosen = options.base_dtype
     return BASE_DTYPES[dtype_axis if chosen == "auto" else chosen]
 
 
@@ -96,16 +96,16 @@ class Lora(Strategy):
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         peft = import_peft()
         rank = int(self.arg or 0)
-        options = dict(ctx.lora)
-        names = target_names(model, options.get("targets"))
+        options = ctx.lora
+        names = target_names(model, None if options.targets is None else list(options.targets))
         for param in model.parameters():
             param.requires_grad_(False)
         stored_as = base_dtype(options, ctx.dtype)
         convert(model, dtype=stored_as, parameters_only=True)
         config = peft.LoraConfig(
             r=rank,
-            lora_alpha=float(options.get("alpha") or rank),
-            lora_dropout=float(options.get("dropout", 0.0)),
+            lora_alpha=float(options.alpha or rank),
+            lora_dropout=float(options.dropout),
             target_modules=names,
             bias="none",
         )

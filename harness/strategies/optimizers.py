@@ -8,24 +8,18 @@ baseline, alone or combined with the other memory techniques.
 
 from __future__ import annotations
 
-from typing import Any
-
 from harness.strategies.base import Strategy, TrialContext
-
-KEPT = ("lr", "weight_decay", "foreach")
+from harness.strategies.settings import OptimizerSettings
 
 
 class OptimizerStrategy(Strategy):
-    """Replaces the optimizer spec with ``optimizer_name`` (and ``momentum`` for SGD)."""
+    """Replaces the optimizer with ``optimizer_name`` (and ``momentum`` for SGD)."""
 
     optimizer_name = "adam"
     momentum: float | None = None
 
-    def optimizer(self, spec: dict[str, Any], ctx: TrialContext) -> dict[str, Any]:
-        new = {"name": self.optimizer_name, **{k: spec[k] for k in KEPT if k in spec}}
-        if self.momentum is not None:
-            new["momentum"] = self.momentum
-        return new
+    def optimizer(self, settings: OptimizerSettings, ctx: TrialContext) -> OptimizerSettings:
+        return settings.swapped(self.optimizer_name, self.momentum)
 
 
 class Sgd(OptimizerStrategy):

@@ -17,7 +17,6 @@ import pandas as pd
 
 from harness.contract import DEFAULT_FIT_MAX
 from harness.spec import Spec, trial_config
-from harness.strategies import STRATEGIES, parse_term
 from harness.sweep.estimate import run_trial_tool
 from harness.trial.config import TrialConfig
 from harness.workloads.sizes import training_samples
@@ -34,9 +33,9 @@ def configurations(spec: Spec) -> list[TrialConfig]:
                     "model_size": size,
                     "batch_size": batch,
                     "dtype": dtype,
-                    "strategy": strategy,
+                    "strategy": strategy.text,
                 }
-                seen.setdefault((size, dtype, strategy), trial_config(spec, point))
+                seen.setdefault((size, dtype, strategy.text), trial_config(spec, point))
     return list(seen.values())
 
 
@@ -79,11 +78,9 @@ def likely_cost(config: TrialConfig) -> float:
     strategy's ``search_cost``, times K for one that runs K micro-batches a step)."""
     cost = 1.0
     for term in config.strategy:
-        name, arg = parse_term(term)
-        info = STRATEGIES[name]
-        cost *= info.search_cost
-        if info.micro_batches_from_arg and arg is not None:
-            cost *= int(arg)
+        cost *= term.info.search_cost
+        if term.info.micro_batches_from_arg and term.number is not None:
+            cost *= term.number
     return cost
 
 

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.strategies import needs_process_group
 from harness.trial.config import (
     SNAPSHOT_FILE,
     STEP_TIMES_FILE,
@@ -215,7 +214,7 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> TrialR
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "harness.trial", str(config_path), str(result_path)]
     ranks = config.world_size
-    grouped = needs_process_group(config.strategy)  # ddp:1 and fsdp:1 too
+    grouped = config.strategy.needs_process_group  # ddp:1 and fsdp:1 too
     if grouped:  # torchrun starts the ranks; if one dies it stops the others
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     started = time.monotonic()

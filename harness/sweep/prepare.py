@@ -20,7 +20,6 @@ from harness.spec import (
 )
 from harness.spec.grid import SweepPlan, max_batch_key
 from harness.spec.schema import MAX_BATCH
-from harness.strategies import batch_step
 from harness.sweep import claim, plan, preflight
 from harness.sweep.claim import StudyAttr
 from harness.sweep.launch import start_warm_starter
@@ -184,7 +183,7 @@ def resolve_max_batch(sweep: SweepPlan, target: str | None = None) -> SweepPlan:
     budget = int(spec.memory_budget or 0)
     keys = list(itertools.product(spec.model.sizes, spec.grid.dtype, spec.grid.strategy))
     points_at_step = [  # at the smallest allowed batch; the search sets its own
-        {"model_size": m, "batch_size": batch_step(g.split("+")), "dtype": d, "strategy": g}
+        {"model_size": m, "batch_size": g.batch_step, "dtype": d, "strategy": g.text}
         for m, d, g in keys
     ]
     configs = [sweep.trial_config(point) for point in points_at_step]

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.strategies import world_size
+from harness.strategies.combination import Combination
+from harness.strategies.settings import LoraSettings, OptimizerSettings
 from harness.workloads import resolve_knobs
 
 NOT_DEFINING = (
@@ -38,11 +40,39 @@ STEP_TIMES_FILE = "step_times.json"  # the timed window's raw per-step times (ra
 
 
 @dataclass(frozen=True)
+class Budget:
+    """How long a trial trains: exactly one of ``epochs`` or ``steps``."""
+
+    epochs: int | None = None
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.epochs is None) == (self.steps is None):
+            raise ValueError("give exactly one of epochs or steps")
+
+    def total_steps(self, per_epoch: int) -> int:
+        """Optimizer steps in all, an epoch being ``per_epoch`` steps."""
+        return self.steps if self.steps is not None else int(self.epochs or 0) * per_epoch
+
+    def to_dict(self) -> dict[str, int]:
+        """The one that is set, e.g. ``{"steps": 20}`` (the trial JSON, the ``budget`` param)."""
+        return (
+            {"epochs": self.epochs} if self.epochs is not None else {"steps": int(self.steps or 0)}
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, int]) -> Budget:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class TrialConfig:
     """Everything that determines one trial's result (and so its ``trial_key``).
 
-    ``strategy`` is the canonical list of strategy terms, e.g. ``["checkpoint", "accumulate:4"]``.
-    ``budget`` holds exactly one of ``epochs`` or ``steps``.
+    ``strategy`` is the validated combination, written to JSON as its terms, e.g.
+    ``["checkpoint", "accumulate:4"]``; ``optimizer``, ``budget`` and ``lora`` are typed
+    settings written as the plain dicts they always were (``to_dict``/``from_dict`` are the
+    only conversions, so the JSON and ``trial_key`` do not depend on the Python types).
     """
 
     experiment: str
@@ -53,9 +83,9 @@ class TrialConfig:
     data_options: dict[str, Any]
     batch_size: int
     dtype: str
-    strategy: list[str]
-    optimizer: dict[str, Any]
-    budget: dict[str, int]
+    strategy: Combination
+    optimizer: OptimizerSettings
+    budget: Budget
     seed: int = 0
     warmup_steps: int = 2
     memory_steps: int = 2
@@ -66,7 +96,7 @@ class TrialConfig:
     # loss, else cross-entropy of its logits.
     model_loss: str | None = None
     # train.lora (alpha, dropout, targets, base_dtype) for trials with lora/qlora, else None.
-    lora: dict[str, Any] | None = None
+    lora: LoraSettings | None = None
     # The hardware the sweep resolved ``device`` to on its host (``harness.trial.hardware``:
     # device type and name; the world size is the strategy's): a CPU's results are not an
     # H200's. None where nothing runs (estimates, dry runs without a host probe).
@@ -91,7 +121,7 @@ class TrialConfig:
     @property
     def strategy_text(self) -> str:
         """Canonical one-string form, e.g. ``checkpoint+accumulate:4`` (the results-table value)."""
-        return "+".join(self.strategy)
+        return self.strategy.text
 
     @property
     def knobs(self) -> dict[str, Any]:
@@ -111,7 +141,7 @@ class TrialConfig:
     @property
     def world_size(self) -> int:
         """Processes the trial runs on: N for ``ddp:N``/``fsdp:N``, else 1."""
-        return world_size(self.strategy)
+        return self.strategy.world_size
 
     @property
     def trial_key(self) -> str:
@@ -125,11 +155,28 @@ class TrialConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON types only: what crosses the process boundary and is keyed."""
+        data = asdict(self)  # deep copies of the plain fields
+        data["strategy"] = self.strategy.texts
+        data["optimizer"] = self.optimizer.to_dict()
+        data["budget"] = self.budget.to_dict()
+        data["lora"] = None if self.lora is None else self.lora.to_dict()
+        return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrialConfig:
-        return cls(**data)
+    def from_dict(cls, data: Mapping[str, Any]) -> TrialConfig:
+        """The config ``to_dict`` wrote (the strategy terms checked again, as a trial worker
+        receives them from outside)."""
+        lora = data.get("lora")
+        return cls(
+            **{
+                **data,
+                "strategy": Combination.parse(data["strategy"]),
+                "optimizer": OptimizerSettings.from_dict(data["optimizer"]),
+                "budget": Budget.from_dict(data["budget"]),
+                "lora": None if lora is None else LoraSettings.from_dict(lora),
+            }
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

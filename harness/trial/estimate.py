@@ -31,9 +31,9 @@ from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, st
 from harness.meters.allocations import AllocationLog
 from harness.meters.memory import MemoryWindow
 from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
-from harness.strategies import STRATEGIES, needs_process_group, parse_term
-from harness.strategies.base import StrategyError
+from harness.strategies.base import Strategy, StrategyError
 from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
+from harness.strategies.settings import DEFAULT_LORA
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
 from harness.trial.fake import (
@@ -51,7 +51,12 @@ from harness.workloads import describe_dataset
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
 
 
-def estimate_peak(config: TrialConfig, device: torch.device, as_cuda: bool = False) -> Prediction:
+def estimate_peak(
+    config: TrialConfig,
+    device: torch.device,
+    as_cuda: bool = False,
+    strategies: tuple[Strategy, ...] | None = None,
+) -> Prediction:
     """The predicted peak and its breakdown (``Prediction``); ``unpredictable`` with why when
     the step cannot run on fake tensors (``FAKE_REFUSALS``); ``refused`` with why when a strategy
     cannot apply to the model (the trial would end before training with the same message).
@@ -60,9 +65,10 @@ def estimate_peak(config: TrialConfig, device: torch.device, as_cuda: bool = Fal
     ``as_cuda``: run on ``device``'s kernels (the CPU) but account storages as CUDA allocates
     them, for a CUDA target predicted on a machine without a GPU. A multi-rank trial is
     predicted for rank 0, which holds the largest slice of each batch; every rank computes the
-    same prediction, so all take the same feasibility decision.
+    same prediction, so all take the same feasibility decision. ``strategies``: the trial's
+    own strategy objects (``run.train`` builds them once), else built here.
     """
-    with Predictor(config, device, as_cuda) as predictor:
+    with Predictor(config, device, as_cuda, strategies=strategies) as predictor:
         return predictor.predict(config.batch_size)
 
 
@@ -101,14 +107,18 @@ class Predictor:
         as_cuda: bool = False,
         steps_run: int | None = None,
         totals: bool = False,
+        strategies: tuple[Strategy, ...] | None = None,
     ) -> None:
         self.config, self.device, self.as_cuda = config, device, as_cuda
         self.steps_run, self.totals = steps_run, totals
+        self.strategies = strategies or config.strategy.build()
         self.stack: contextlib.ExitStack | None = None
         self.setup: Setup | None = None
         self.failure: Prediction | None = None  # why no batch size can be predicted
         self.target: CudaTarget | None = (
-            cuda_target(config, as_cuda) if as_cuda or device.type == "cuda" else None
+            cuda_target(config, as_cuda, self.strategies)
+            if as_cuda or device.type == "cuda"
+            else None
         )
         self.log: AllocationLog | None = None  # CUDA targets: every allocation, in order
         self.workspaces: Workspaces | None = None
@@ -131,12 +141,11 @@ class Predictor:
     def build(self) -> None:
         """Enter the fake world, build the model, take the warm-up step."""
         config = self.config
-        names = sorted({parse_term(term)[0] for term in config.strategy})
-        for name in names:
-            if (why := STRATEGIES[name].unpredictable) is not None:
-                self.failure = Prediction.unpredictable(f"{name}: {why}")
+        for info in sorted(config.strategy.infos, key=lambda info: info.name):
+            if info.unpredictable is not None:
+                self.failure = Prediction.unpredictable(f"{info.name}: {info.unpredictable}")
                 return
-        ranks = Ranks(rank=0, size=config.world_size, launched=needs_process_group(config.strategy))
+        ranks = Ranks(rank=0, size=config.world_size, launched=config.strategy.needs_process_group)
         stack = contextlib.ExitStack()
         try:
             # Real tensors: user data is loaded (and a tokenizer read) to learn the batch's shape.
@@ -152,7 +161,7 @@ class Predictor:
                 self.workspaces = Workspaces(self.target.card)
                 self.log = stack.enter_context(AllocationLog(self.device.type, self.workspaces))
             stack.enter_context(ValuesReadAsOne())
-            setup = build_setup(config, self.device, ranks, self.info, None)
+            setup = build_setup(config, self.device, ranks, self.info, None, self.strategies)
             stack.enter_context(libraries_run_eagerly())  # now that the model's code is loaded
             if self.log is not None:  # the trial empties the cache after building (run.py),
                 self.log.empty_cache()  # then the parameters as .to("cuda") placed them
@@ -329,17 +338,17 @@ def closed_form(config: TrialConfig, prediction: Prediction) -> dict[str, float]
     total = prediction.num_params_total
     frozen = (num_params if total is None else total) - num_params
     nf4 = prediction.num_params_nf4 or 0.0
-    infos = [STRATEGIES[parse_term(t)[0]] for t in config.strategy]
+    infos = config.strategy.infos
     optimizer = next(
-        (info.name for info in infos if info.group == "optimizer"), config.optimizer["name"]
+        (info.name for info in infos if info.group == "optimizer"), config.optimizer.name
     )
-    if optimizer == "sgd" and config.optimizer.get("momentum"):
+    if optimizer == "sgd" and config.optimizer.momentum:
         optimizer = "sgd_momentum"
     scale = math.prod(info.state_bytes_factor for info in infos)
     if any(info.shards_state for info in infos):  # per rank: a 1/N shard of everything
         scale /= config.world_size
     state = OPTIMIZER_STATE_BYTES[optimizer]
-    base_bytes = base_dtype(config.lora or {}, config.dtype).itemsize
+    base_bytes = base_dtype(config.lora or DEFAULT_LORA, config.dtype).itemsize
     frozen_bytes = nf4 * NF4_BYTES_PER_PARAM + (frozen - nf4) * base_bytes
     out = {"closed_form_model_state_bytes": (num_params * (8 + state) + frozen_bytes) * scale}
     knobs = config.knobs
@@ -356,7 +365,7 @@ def closed_form(config: TrialConfig, prediction: Prediction) -> dict[str, float]
 
 def device_note(config: TrialConfig, as_cuda: bool) -> str:
     """Which device-specific choices the prediction made, so a reader can judge it."""
-    foreach = bool(config.optimizer.get("foreach", False))
+    foreach = config.optimizer.foreach
     choices = f"optimizer foreach={foreach} fused=False (fixed, as in training)"
     if as_cuda:
         return f"cuda target on CPU kernels (no GPU here): 512-B block rounding; {choices}"

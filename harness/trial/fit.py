@@ -36,7 +36,6 @@ import torch
 
 from harness.contract import DEFAULT_FIT_MAX
 from harness.cuda.device_memory import DeviceMemory
-from harness.strategies import batch_step
 from harness.trial.config import TrialConfig
 from harness.trial.estimate import Predictor, replay_for_budget
 from harness.trial.prediction import PEAK, Prediction
@@ -55,7 +54,7 @@ def at_value(config: TrialConfig, axis: str, value: int) -> TrialConfig:
 
 
 def axis_step(config: TrialConfig, axis: str) -> int:
-    return batch_step(config.strategy) if axis == "batch_size" else 1
+    return config.strategy.batch_step if axis == "batch_size" else 1
 
 
 class Curve:

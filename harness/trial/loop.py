@@ -95,7 +95,7 @@ class TrainingLoop:
 
     def run(self) -> None:
         config, setup, metrics = self.setup.config, self.setup, self.measured.metrics
-        budget = config.budget.get("steps") or config.budget.get("epochs", 1) * self.per_epoch
+        budget = config.budget.total_steps(self.per_epoch)
         measured = config.warmup_steps + config.memory_steps + config.timed_steps
         with self.measured.clock("train_time_s", setup.device):
             self.warm_up(config.warmup_steps)

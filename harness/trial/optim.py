@@ -3,7 +3,7 @@
 PyTorch picks ``foreach`` by device (on for CUDA, off for CPU), which changes the step's
 temporary memory; fixing it makes CPU and GPU runs (and predictions) mean the same thing.
 Where an optimizer has no such switch (torchao's 8-bit AdamW compiles its own step) there is
-nothing to fix.
+nothing to fix. The settings and their defaults are ``harness.strategies.settings``'s.
 """
 
 from __future__ import annotations
@@ -14,15 +14,18 @@ from typing import Any
 import torch
 
 from harness.contract import OPTIMIZERS
+from harness.strategies.settings import OptimizerSettings
 
 
 def build_optimizer(
-    spec: dict[str, Any], params: Iterable[torch.nn.Parameter]
+    settings: OptimizerSettings, params: Iterable[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
-    name = spec.get("name", "adam")
-    lr = float(spec.get("lr", 1e-3))
-    weight_decay = float(spec.get("weight_decay", 0.0))
-    foreach = bool(spec.get("foreach", False))
+    name, lr, weight_decay, foreach = (
+        settings.name,
+        settings.lr,
+        settings.weight_decay,
+        settings.foreach,
+    )
     if name == "adam":
         return torch.optim.Adam(
             params, lr=lr, weight_decay=weight_decay, foreach=foreach, fused=False
@@ -32,11 +35,10 @@ def build_optimizer(
             params, lr=lr, weight_decay=weight_decay, foreach=foreach, fused=False
         )
     if name == "sgd":
-        momentum = float(spec.get("momentum", 0.0))
         return torch.optim.SGD(
             params,
             lr=lr,
-            momentum=momentum,
+            momentum=settings.momentum,
             weight_decay=weight_decay,
             foreach=foreach,
             fused=False,

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from harness.meters.host import peak_rss_bytes
-from harness.strategies import build_strategies
+from harness.strategies.base import Strategy
 from harness.strategies.memory_management import ALLOC_CONF_VARS, merge_conf
 from harness.trial.config import TrialConfig
 from harness.trial.device import device_name, emulate_card, resolve_device
@@ -110,7 +110,8 @@ def train(
         for var in ALLOC_CONF_VARS:
             if var == "PYTORCH_CUDA_ALLOC_CONF" or var in os.environ:
                 os.environ[var] = merge_conf(os.environ.get(var, ""), config.allocator)
-    for strategy in build_strategies(config.strategy):
+    strategies = config.strategy.build()  # once: environment, prediction and training
+    for strategy in strategies:
         os.environ.update(strategy.environment())  # must precede the first CUDA call
     target = ranks.local_device(resolve_device(config.device))
     # Recorded before the prediction: an infeasible trial names its hardware too.
@@ -119,7 +120,7 @@ def train(
     )
     # Before joining the process group: a multi-rank estimate runs on a fake group of its own.
     with measured.clock("estimate_time_s"):
-        predict(config, target, measured)
+        predict(config, target, measured, strategies)
     device = ranks.start(target)
     measured.info["device"] = str(device)
     emulate_card(device, config.device_memory_bytes, measured.outside_bytes)
@@ -127,7 +128,7 @@ def train(
     torch.manual_seed(config.seed)
     with measured.clock("setup_time_s", device):
         data = load_dataset(config.dataset, config.dataset_options, config.seed, config.python_path)
-        setup = build_setup(config, device, ranks, data.info, data)
+        setup = build_setup(config, device, ranks, data.info, data, strategies)
         if device.type == "cuda":  # what building left cached (dtype casts, quantization) is
             torch.cuda.empty_cache()  # not the training step's: the estimate does the same
     measured.info.update(setup.info)
@@ -136,9 +137,14 @@ def train(
     TrainingLoop(setup, data, measured, output_dir).run()
 
 
-def predict(config: TrialConfig, device: torch.device, measured: Measurements) -> None:
+def predict(
+    config: TrialConfig,
+    device: torch.device,
+    measured: Measurements,
+    strategies: tuple[Strategy, ...] | None = None,
+) -> None:
     """Predict the peak before training; a trial that cannot fit is not run (``infeasible``)."""
-    prediction = estimate_peak(config, device)
+    prediction = estimate_peak(config, device, strategies=strategies)
     if prediction.outcome is Outcome.REFUSED:
         raise TrialFailure(Status.CRASH, prediction.reason)
     if prediction.outcome is Outcome.UNPREDICTABLE:

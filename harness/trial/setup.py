@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.strategies import STRATEGIES, build_strategies
 from harness.strategies.base import Strategy, TrialContext
+from harness.strategies.settings import LoraSettings
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
 from harness.trial.fake import construct_on_meta
@@ -107,18 +107,23 @@ def build_setup(
     ranks: Ranks,
     data_info: DataInfo,
     data: SplitData | None,
+    built: tuple[Strategy, ...] | None = None,
 ) -> Setup:
     """Build the model on ``device``, let each strategy change it in list order, swap the
     optimizer where a strategy says so, and build that with ``foreach`` fixed.
 
     ``data`` is None when estimating on fake tensors: then there is no data, no GradScaler
     (its inf check reads values) and no strategy the registry marks ``eager_only``.
+    ``built``: the trial's strategy objects (``Combination.build``), when its caller already
+    holds them (a trial builds them once, for its environment, prediction and training); a
+    strategy's hooks set whatever state they keep afresh on each model they are applied to.
     """
     estimating = data is None
+    terms = config.strategy.terms
     strategies = tuple(
         strategy
-        for strategy in build_strategies(config.strategy)
-        if not (estimating and STRATEGIES[strategy.name].eager_only)
+        for term, strategy in zip(terms, built or config.strategy.build(), strict=True)
+        if not (estimating and term.info.eager_only)
     )
     precision = Precision(config.dtype, device, scaler=not estimating)
     # The estimate builds the model for real with its large tensors on meta (harness.trial.fake)
@@ -134,7 +139,7 @@ def build_setup(
         data,
         config.batch_size,
         workload.task,
-        lora=config.lora or {},
+        lora=config.lora or LoraSettings(),
         construction=construct_on_meta if estimating else contextlib.nullcontext,
     )
     for strategy in strategies:
@@ -142,16 +147,16 @@ def build_setup(
     model = convert(workload.model, device, materialize_meta=estimating)
     for strategy in strategies:
         model = strategy.prepare_model(model, context)
-    optimizer_spec = dict(config.optimizer)
+    optimizer_settings = config.optimizer
     for strategy in strategies:
-        optimizer_spec = strategy.optimizer(optimizer_spec, context)
+        optimizer_settings = strategy.optimizer(optimizer_settings, context)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(optimizer_spec, trainable)
+    optimizer = build_optimizer(optimizer_settings, trainable)
     tokens = data_info.tokens_per_sample
     info = {
         **workload.notes,
         **context.notes,
-        "optimizer": optimizer_spec["name"],
+        "optimizer": optimizer_settings.name,
         "throughput_unit": "tokens/s" if tokens > 1 else "samples/s",
         "world_size": ranks.size,
     }

@@ -22,7 +22,7 @@ from harness.cuda.allocator import AllocatorConfig
 from harness.cuda.autocast import cuda_autocast_rules
 from harness.cuda.cards import CATALOGUE, Card, card_for_device_name
 from harness.cuda.kernels import Kernels, attention_note, cuda_kernels, installed_cudnn_version
-from harness.strategies import build_strategies
+from harness.strategies.base import Strategy
 from harness.strategies.memory_management import ALLOC_CONF_VARS, merge_conf
 from harness.trial.config import TrialConfig
 
@@ -41,11 +41,11 @@ class CudaTarget:
         return config.device_memory_bytes or self.card.memory_bytes
 
 
-def allocator_text(config: TrialConfig) -> str:
+def allocator_text(config: TrialConfig, strategies: tuple[Strategy, ...]) -> str:
     """PYTORCH_CUDA_ALLOC_CONF as the trial sets it (``run.train``): this process's own, the
     spec's ``allocator`` over it, then each strategy's setting (``expandable_segments``)."""
     text = merge_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), config.allocator or "")
-    for strategy in build_strategies(config.strategy):
+    for strategy in strategies:
         env = strategy.environment()
         for var in ALLOC_CONF_VARS:
             if var in env:
@@ -54,13 +54,19 @@ def allocator_text(config: TrialConfig) -> str:
     return text
 
 
-def cuda_target(config: TrialConfig, as_cuda: bool) -> CudaTarget:
-    """The target of a CUDA prediction of ``config``."""
+def cuda_target(
+    config: TrialConfig, as_cuda: bool, strategies: tuple[Strategy, ...] | None = None
+) -> CudaTarget:
+    """The target of a CUDA prediction of ``config`` (``strategies``: its strategy objects,
+    when the caller holds them)."""
+    strategies = strategies or config.strategy.build()
     if config.card is not None:
         card, named = Card.from_dict(config.card), True
     else:
         card, named = host_card() or CATALOGUE[ASSUMED_CARD], torch.cuda.is_available()
-    return CudaTarget(card, named, AllocatorConfig.parse(allocator_text(config)), as_cuda)
+    return CudaTarget(
+        card, named, AllocatorConfig.parse(allocator_text(config, strategies)), as_cuda
+    )
 
 
 def host_card() -> Card | None:
