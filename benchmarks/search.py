@@ -27,7 +27,7 @@ import yaml
 from benchmarks.figures import Figure, at_most
 from harness.analyse.pareto import bounds, feasible, hypervolume, normalise
 from harness.metrics import DEFAULT_OBJECTIVES
-from harness.spec import Spec, parse_spec
+from harness.spec import Spec, SweepPlan, parse_spec
 from harness.sweep import plan
 from harness.trial.result import Status, TrialResult
 
@@ -66,7 +66,7 @@ def replay(table: pd.DataFrame, sampler: str, seed: int, n_trials: int) -> list[
     study = optuna.create_study(directions=directions, sampler=plan.make_sampler(spec, 0))
     index = {tuple(str(row[a]) for a in AXES): i for i, row in table.iterrows()}
     visited = []
-    for trial, point, _ in plan.SearchPlan(study, spec, set(), n_trials):
+    for trial, point, _ in plan.SearchPlan(study, SweepPlan(spec), set(), n_trials):
         row_index = index[tuple(str(point[a]) for a in AXES)]
         plan.tell(study, trial, spec, recorded_result(table.loc[row_index]), "replay")
         visited.append(row_index)

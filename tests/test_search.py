@@ -6,7 +6,7 @@ import optuna
 import pytest
 
 from harness.results import load
-from harness.spec import parse_spec
+from harness.spec import SweepPlan, parse_spec
 from harness.sweep.plan import memory_constraint, objective_values, trials_to_run
 from harness.trial.result import Status, TrialResult
 from tests.conftest import BASE_SPEC, run_cli, write_spec
@@ -46,13 +46,13 @@ def test_an_oom_without_a_prediction_is_at_least_the_budget():
 
 def test_how_many_trials_a_run_adds():
     grid = parse_spec({**BASE_SPEC, "grid": {**BASE_SPEC["grid"], "batch_size": [8, 16, 32]}})
-    assert trials_to_run(grid, recorded=1, more=None) == 2
+    assert trials_to_run(SweepPlan(grid), recorded=1, more=None) == 2
     data = {**BASE_SPEC, "grid": {**BASE_SPEC["grid"], "batch_size": [8, 16, 32, 64]}}
     optuna_spec = parse_spec({**data, "search": {"method": "optuna", "n_trials": 2}})
-    assert trials_to_run(optuna_spec, recorded=0, more=None) == 2
-    assert trials_to_run(optuna_spec, recorded=2, more=None) == 0
-    assert trials_to_run(optuna_spec, recorded=2, more=1) == 1
-    assert trials_to_run(optuna_spec, recorded=3, more=5) == 1  # the grid has 4 points
+    assert trials_to_run(SweepPlan(optuna_spec), recorded=0, more=None) == 2
+    assert trials_to_run(SweepPlan(optuna_spec), recorded=2, more=None) == 0
+    assert trials_to_run(SweepPlan(optuna_spec), recorded=2, more=1) == 1
+    assert trials_to_run(SweepPlan(optuna_spec), recorded=3, more=5) == 1  # the grid has 4 points
 
 
 @pytest.mark.slow
