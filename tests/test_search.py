@@ -9,7 +9,7 @@ from harness.results import load
 from harness.spec import parse_spec
 from harness.sweep.plan import memory_constraint, objective_values, trials_to_run
 from harness.trial.result import Status, TrialResult
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, expect_exit, run_cli, write_spec
 
 
 def result(status: str, **metrics: float) -> TrialResult:
@@ -67,11 +67,11 @@ def test_optuna_search_runs_n_trials_then_adds_more_without_repeats(tmp_path):
     }
     path = write_spec(tmp_path, data)
     first = run_cli("sweep", str(path), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
+    expect_exit(first)
     again = run_cli("sweep", str(path), cwd=tmp_path)
     assert "Nothing left to run" in again.stdout
     more = run_cli("sweep", str(path), "--n-trials", "1", cwd=tmp_path)
-    assert more.returncode == 0, more.stderr
+    expect_exit(more)
     assert "2 of 3 trials already recorded" in more.stdout
 
     frame = load("searched", f"sqlite:///{tmp_path}/results/mlflow.db")
@@ -91,6 +91,6 @@ def test_optuna_search_runs_n_trials_then_adds_more_without_repeats(tmp_path):
 def test_n_trials_flag_on_a_grid_spec_is_refused(tmp_path):
     path = write_spec(tmp_path, BASE_SPEC)
     done = run_cli("sweep", str(path), "--n-trials", "2", cwd=tmp_path)
-    assert done.returncode == 2
+    expect_exit(done, 2)
     assert "--n-trials needs search.method: optuna" in done.stderr
     assert "Traceback" not in done.stderr

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from harness.record.tracking import ROLE_TAG, STUDY_TAG, SWEEP_ROLE, TRIAL_ROLE, Tracker
 from harness.results import load
-from tests.conftest import BASE_SPEC, REPO, run_cli, write_spec
+from tests.conftest import BASE_SPEC, REPO, expect_exit, output_tail, run_cli, write_spec
 
 GRID = {"batch_size": [16, 32], "dtype": ["fp32"], "strategy": ["none"]}
 
@@ -49,7 +48,7 @@ def trial_runs(folder: Path, experiment: str) -> list:
 
 def sweep(folder: Path, spec: Path, *options: str) -> subprocess.CompletedProcess[str]:
     done = run_cli("sweep", str(spec), *options, cwd=folder)
-    assert done.returncode == 0, done.stdout + done.stderr
+    expect_exit(done)
     return done
 
 
@@ -136,7 +135,8 @@ def test_results_show_the_finished_sweep_not_a_later_partial_duplicate(tmp_path)
     tracker.close_sweep(partial, {})
     assert load("dupe", store(tmp_path))["trial_key"].nunique() == 2
     shown = run_cli("results", "--format", "csv", cwd=tmp_path)
-    assert shown.returncode == 0 and len(shown.stdout.strip().splitlines()) == 3
+    expect_exit(shown)
+    assert len(shown.stdout.strip().splitlines()) == 3
 
 
 @pytest.mark.slow
@@ -153,17 +153,21 @@ def test_sigterm_stops_like_ctrl_c_and_the_sweep_resumes(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.time() + 120
     lines = []
     assert process.stdout is not None
-    while time.time() < deadline:  # stop it once its first trial is recorded
-        line = process.stdout.readline()
+    for line in process.stdout:  # stop it once its first trial is recorded
         lines.append(line)
         if line.startswith("[1/3]"):
             break
+    else:  # it ended (or closed its output) before recording a trial
+        process.wait(timeout=60)
+        pytest.fail(
+            f"the sweep exited {process.returncode} before its first trial\n"
+            + output_tail("".join(lines)),
+        )
     process.send_signal(signal.SIGTERM)
     rest, _ = process.communicate(timeout=60)
-    assert process.returncode == 143, "".join(lines) + rest
+    assert process.returncode == 143, output_tail("".join(lines) + rest)
     assert "Terminated (SIGTERM). Finished trials are recorded" in rest
     assert "Traceback" not in rest
     done = sweep(tmp_path, spec)
