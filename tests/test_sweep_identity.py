@@ -96,9 +96,10 @@ def test_an_optuna_search_rebuilt_from_the_records_runs_only_new_points(tmp_path
 
 
 @pytest.mark.slow
-def test_a_start_killed_before_the_study_named_its_run_is_adopted(tmp_path):
+def test_a_killed_start_is_adopted_and_results_ignore_a_partial_duplicate(tmp_path):
     """What a kill between creating the parent run and writing it on the study leaves: a
-    RUNNING parent run of this sweep that no study names. The next start resumes it."""
+    RUNNING parent run of this sweep that no study names. The next start resumes it. (The
+    finished sweep then also serves the results-vs-partial-duplicate check: one sweep run.)"""
     spec = spec_file(tmp_path, "orphan")
     listed = run_cli("sweep", str(spec), "--dry-run", cwd=tmp_path)
     assert not (tmp_path / "results").exists()  # a dry run writes nothing
@@ -121,21 +122,12 @@ def test_a_start_killed_before_the_study_named_its_run_is_adopted(tmp_path):
     assert marked.stdout.count("recorded (ok): will not run") == 2
     assert "2 of 2 point(s) recorded; 0 to run" in marked.stdout
 
-
-@pytest.mark.slow
-def test_results_show_the_finished_sweep_not_a_later_partial_duplicate(tmp_path):
-    spec = spec_file(tmp_path, "dupe")
-    sweep(tmp_path, spec)
-    (finished,) = parent_runs(tmp_path, "dupe")
-    # What an earlier harness left when a start lost its study: a newer parent run of the
-    # same sweep holding only part of it.
-    tracker = Tracker(store(tmp_path), "dupe", tmp_path / "results" / "mlartifacts")
-    tags = {STUDY_TAG: finished.data.tags[STUDY_TAG]}
-    partial = tracker.open_sweep(None, "sweep dupe", tags, {})
+    # Then what an earlier harness left when a start lost its study: a newer parent run of the
+    # same sweep holding only part of it. Results show the finished sweep, not the newer one.
+    partial = tracker.open_sweep(None, "sweep orphan", {STUDY_TAG: identity}, {})
     tracker.close_sweep(partial, {})
-    assert load("dupe", store(tmp_path))["trial_key"].nunique() == 2
-    shown = run_cli("results", "--format", "csv", cwd=tmp_path)
-    expect_exit(shown)
+    assert load("orphan", store(tmp_path))["trial_key"].nunique() == 2
+    shown = expect_exit(run_cli("results", "--format", "csv", cwd=tmp_path))
     assert len(shown.stdout.strip().splitlines()) == 3
 
 
