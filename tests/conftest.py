@@ -31,7 +31,10 @@ BASE_SPEC: dict[str, Any] = {
     "data": {"dataset": "digits"},
     "grid": {"batch_size": [32], "dtype": ["fp32"], "strategy": ["none"]},
     "train": {"optimizer": {"name": "adam", "lr": 0.001}, "budget": {"steps": 20}, "seed": 0},
-    "measure": {"warmup_steps": 1, "memory_steps": 2, "timed_steps": 3},
+    # No memory timeline (not part of the trial key): drawing it costs a sweep a matplotlib
+    # import and each trial a picture. The tests of timelines turn it on (test_timeline.py,
+    # test_analysis_cli.py, test_sweep_strategies.py; experiments/default.yaml has it on).
+    "measure": {"warmup_steps": 1, "memory_steps": 2, "timed_steps": 3, "timeline": False},
     "device": "cpu",
 }
 

@@ -24,6 +24,7 @@ def sweep_folder(tmp_path_factory):
         "model": {"family": "mlp", "sizes": {"s": {"width": 16, "depth": 1}}},
         "grid": {"batch_size": [8, 256], "dtype": ["fp32"], "strategy": ["none", "checkpoint"]},
         "device_memory": "64KiB",  # batch 256 does not fit: infeasible, not run
+        "measure": {**BASE_SPEC["measure"], "timeline": True},  # `harness timeline` reads them
     }
     done = run_cli("sweep", str(write_spec(folder, data)), cwd=folder)
     expect_exit(done)
