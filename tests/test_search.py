@@ -57,6 +57,8 @@ def test_how_many_trials_a_run_adds():
 
 @pytest.mark.slow
 def test_optuna_search_runs_n_trials_then_adds_more_without_repeats(tmp_path):
+    """Also the search rebuilt from the records when its study is lost (one sweep more here
+    rather than a search sweep of its own in test_sweep_identity.py)."""
     data = {
         **BASE_SPEC,
         "name": "searched",
@@ -86,6 +88,13 @@ def test_optuna_search_runs_n_trials_then_adds_more_without_repeats(tmp_path):
     assert {t.user_attrs["trial_key"] for t in measured} == set(frame["trial_key"])
     # No device_memory in this spec: every ok trial is feasible (constraint 0).
     assert all(t.constraints == {"memory": 0.0} for t in measured)
+
+    # The study lost (deleted): rebuilt from the MLflow records, only a new point runs.
+    (tmp_path / "results" / "optuna.db").unlink()
+    rebuilt = expect_exit(run_cli("sweep", str(path), "--n-trials", "1", cwd=tmp_path))
+    assert "3 recorded trial(s) of this sweep were missing from the study" in rebuilt.stdout
+    frame = load("searched", f"sqlite:///{tmp_path}/results/mlflow.db")
+    assert len(frame) == 4 and frame["trial_key"].is_unique  # the fourth point, once
 
 
 def test_n_trials_flag_on_a_grid_spec_is_refused(tmp_path):

@@ -82,17 +82,8 @@ def test_switching_storage_or_losing_the_study_never_runs_a_recorded_trial(tmp_p
     assert len(frame) == 2 and frame["trial_key"].is_unique
 
 
-@pytest.mark.slow
-def test_an_optuna_search_rebuilt_from_the_records_runs_only_new_points(tmp_path):
-    search = {"method": "optuna", "sampler": "random", "n_trials": 2}
-    grid = {"batch_size": [8, 16, 32], "dtype": ["fp32"], "strategy": ["none"]}
-    spec = spec_file(tmp_path, "search", search=search, grid=grid)
-    sweep(tmp_path, spec)
-    (tmp_path / "results" / "optuna.db").unlink()
-    more = sweep(tmp_path, spec, "--n-trials", "1")
-    assert "2 recorded trial(s) of this sweep were missing from the study" in more.stdout
-    frame = load("search", store(tmp_path))
-    assert len(frame) == 3 and frame["trial_key"].is_unique  # the third point, once
+# An Optuna search rebuilt from the records after its study was deleted runs only new points:
+# tests/test_search.py (its search sweep, one start more).
 
 
 @pytest.mark.slow
