@@ -1,4 +1,5 @@
-"""Shared helpers: a valid spec to mutate, the ``harness`` CLI run as a user runs it, and a
+"""Shared helpers: a valid spec to mutate, the ``harness`` CLI run as a user runs it, waits on
+conditions (never a fixed sleep), exit codes checked with the process's own words, and a
 headless browser."""
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import yaml
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+TAIL_CHARS = 4000  # of a failing process's stderr and of its stdout, shown by expect_exit
 
 BASE_SPEC: dict[str, Any] = {
     "name": "unit",
@@ -28,7 +31,10 @@ BASE_SPEC: dict[str, Any] = {
     "data": {"dataset": "digits"},
     "grid": {"batch_size": [32], "dtype": ["fp32"], "strategy": ["none"]},
     "train": {"optimizer": {"name": "adam", "lr": 0.001}, "budget": {"steps": 20}, "seed": 0},
-    "measure": {"warmup_steps": 1, "memory_steps": 2, "timed_steps": 3},
+    # No memory timeline (not part of the trial key): drawing it costs a sweep a matplotlib
+    # import and each trial a picture. The tests of timelines turn it on (test_timeline.py,
+    # test_analysis_cli.py, test_sweep_strategies.py; experiments/default.yaml has it on).
+    "measure": {"warmup_steps": 1, "memory_steps": 2, "timed_steps": 3, "timeline": False},
     "device": "cpu",
 }
 
@@ -57,6 +63,45 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
         timeout=timeout,
         env=env,
     )
+
+
+def output_tail(stdout: str | None, stderr: str | None = None, chars: int = TAIL_CHARS) -> str:
+    """The end of what a process printed, stderr first (where its error is), for an assertion
+    message: a failing test shows the process's own words, not only its exit code."""
+    parts = [
+        f"--- {name} (last {chars} characters) ---\n{text[-chars:]}"
+        for name, text in (("stderr", stderr), ("stdout", stdout))
+        if text
+    ]
+    return "\n".join(parts) or "(it printed nothing)"
+
+
+def expect_exit(
+    done: subprocess.CompletedProcess[str], code: int = 0
+) -> subprocess.CompletedProcess[str]:
+    """``done``, after asserting it exited with ``code``; otherwise the test fails with its
+    command, its exit code and the tails of its stderr and stdout."""
+    if done.returncode != code:
+        command = " ".join(str(part) for part in done.args) if done.args else "?"
+        pytest.fail(
+            f"`{command}` exited {done.returncode}, expected {code}\n"
+            + output_tail(done.stdout, done.stderr),
+        )
+    return done
+
+
+def wait_until(condition: Callable[[], T], seconds: float, what: str, every: float = 0.2) -> T:
+    """Poll ``condition`` until it returns something true (returned); the test fails after
+    ``seconds``, naming ``what`` and that limit. The limits are generous: a loaded machine (a
+    second suite beside this one) is slow, and a condition met early ends the wait early."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = condition()
+        if found:
+            return found
+        if time.monotonic() >= deadline:
+            pytest.fail(f"waited the {seconds:g} s limit for: {what}")
+        time.sleep(every)
 
 
 def record_trial(
@@ -121,15 +166,35 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_for_port(port: int, seconds: float, what: str) -> None:
-    """Until something listens on 127.0.0.1:``port``; the test fails after ``seconds``."""
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        with contextlib.suppress(OSError):
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        time.sleep(0.3)
-    pytest.fail(f"{what} did not start in {seconds:g} s")
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def wait_for_port(
+    port: int,
+    seconds: float,
+    what: str,
+    process: subprocess.Popen[Any] | None = None,
+    log: Path | None = None,
+) -> None:
+    """Until something listens on 127.0.0.1:``port``; the test fails after ``seconds``. Given
+    the ``process`` that should listen (and the ``log`` its output goes to), it fails at once
+    when that process exits, with the end of its log: its own error, not a timeout."""
+
+    def up() -> bool:
+        if process is not None and process.poll() is not None:
+            said = log.read_text(errors="replace") if log and log.exists() else None
+            pytest.fail(
+                f"{what} exited {process.returncode} before listening on port {port}\n"
+                + output_tail(None, said),
+            )
+        return listening(port)
+
+    wait_until(up, seconds, f"{what} listening on port {port}", every=0.3)
 
 
 @contextlib.contextmanager
@@ -145,12 +210,14 @@ def mlflow_server_at(folder: Path) -> Iterator[str]:
         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
     ]  # fmt: skip
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = subprocess.Popen(
-        command, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
+    log = folder / "mlflow-server.log"
+    with log.open("wb") as output:
+        server = subprocess.Popen(
+            command, cwd=folder, env=env, stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
     try:
-        wait_for_port(port, 90, "mlflow server")
+        wait_for_port(port, 180, "mlflow server", server, log)
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(ProcessLookupError):

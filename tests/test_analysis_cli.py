@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from harness.results import load_sweep
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, expect_exit, run_cli, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +24,10 @@ def sweep_folder(tmp_path_factory):
         "model": {"family": "mlp", "sizes": {"s": {"width": 16, "depth": 1}}},
         "grid": {"batch_size": [8, 256], "dtype": ["fp32"], "strategy": ["none", "checkpoint"]},
         "device_memory": "64KiB",  # batch 256 does not fit: infeasible, not run
+        "measure": {**BASE_SPEC["measure"], "timeline": True},  # `harness timeline` reads them
     }
     done = run_cli("sweep", str(write_spec(folder, data)), cwd=folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     return folder
 
 
@@ -38,7 +39,7 @@ def artifacts(folder, path):
 
 def test_pareto_prints_fronts_and_writes_plots(sweep_folder):
     done = run_cli("pareto", cwd=sweep_folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     assert "2 of 4 trials feasible (within 64.00 KiB)" in done.stdout
     assert "Pareto front" in done.stdout and "hypervolume" in done.stdout
     assert "Share of front B dominated by front A" in done.stdout  # two groups
@@ -57,13 +58,13 @@ def test_pareto_prints_fronts_and_writes_plots(sweep_folder):
 
 def test_pareto_with_a_bad_objective_is_one_clear_line(sweep_folder):
     done = run_cli("pareto", "--objectives", "thruput:max", cwd=sweep_folder)
-    assert done.returncode == 2
+    expect_exit(done, 2)
     assert "unknown metric 'thruput'" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_recommend_fits_the_budget_or_says_nothing_does(sweep_folder):
     done = run_cli("recommend", "--budget", "64KiB", cwd=sweep_folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     assert "Recommended: s 8 fp32" in done.stdout
     assert "Runner-up:" in done.stdout
     sweep = load_sweep("analysed", f"sqlite:///{sweep_folder}/results/mlflow.db")
@@ -72,13 +73,13 @@ def test_recommend_fits_the_budget_or_says_nothing_does(sweep_folder):
     row = frame[(frame["strategy"] == chosen) & (frame["batch_size"] == 8)].iloc[0]
     assert row["status"] == "ok" and row["peak_allocated_bytes"] <= 64 * 1024
     nothing = run_cli("recommend", "--budget", "1KiB", cwd=sweep_folder)
-    assert nothing.returncode == 2
+    expect_exit(nothing, 2)
     assert "nothing in sweep 'analysed' fits in 1.00 KiB" in nothing.stderr
 
 
 def test_report_is_one_self_contained_page(sweep_folder):
     done = run_cli("report", cwd=sweep_folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     page = (sweep_folder / "results" / "analysed" / "report.html").read_text()
     assert "<h2>Pareto front</h2>" in page and 'id="pareto"' in page
     # plotly.js is embedded, not fetched: the page opens offline.
@@ -88,7 +89,7 @@ def test_report_is_one_self_contained_page(sweep_folder):
 
 def test_results_table_fits_160_columns_with_units(sweep_folder):
     done = run_cli("results", cwd=sweep_folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     lines = done.stdout.splitlines()
     assert max(map(len, lines)) <= 160, done.stdout
     assert lines[0].split()[:6] == ["size", "batch", "dtype", "strategy", "status", "trial"]
@@ -102,26 +103,26 @@ def test_results_columns_wide_and_a_misspelt_column(sweep_folder):
     picked = run_cli(
         "results", "--columns", "strategy,peak_rss_bytes,step_time_ms_p50", cwd=sweep_folder
     )
-    assert picked.returncode == 0, picked.stderr
+    expect_exit(picked)
     lines = picked.stdout.splitlines()
     assert lines[0].split() == ["strategy", "peak_rss_bytes", "step_time_ms_p50"]
     assert "MiB" in picked.stdout and " ms" in picked.stdout
     wide = run_cli("results", "--wide", cwd=sweep_folder)
-    assert wide.returncode == 0, wide.stderr
+    expect_exit(wide)
     header = wide.stdout.splitlines()[0].split()
     assert {"trial_key", "peak_rss_bytes", "step_time_cv", "run_id", "failure_reason"} <= set(
         header
     )
     assert "peak_reserved_bytes" not in header  # CUDA only: empty on CPU
     bad = run_cli("results", "--columns", "strategy,thruput", cwd=sweep_folder)
-    assert bad.returncode == 2
+    expect_exit(bad, 2)
     (line,) = bad.stderr.strip().splitlines()
     assert line.startswith("Error: --columns: no results column 'thruput'; did you mean throughput")
 
 
 def test_results_csv_keeps_every_column_and_raw_numbers(sweep_folder):
     done = run_cli("results", "--format", "csv", cwd=sweep_folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     exported = pd.read_csv(io.StringIO(done.stdout))
     frame = load_sweep("analysed", f"sqlite:///{sweep_folder}/results/mlflow.db").frame
     assert list(exported.columns) == list(frame.columns)
@@ -135,10 +136,11 @@ def test_timeline_takes_a_key_prefix_or_a_run_name(sweep_folder):
     frame = load_sweep("analysed", f"sqlite:///{sweep_folder}/results/mlflow.db").frame
     row = frame[(frame["status"] == "ok") & (frame["strategy"] == "checkpoint")].iloc[0]
     by_prefix = run_cli("timeline", row["trial_key"][:6], cwd=sweep_folder)
-    assert by_prefix.returncode == 0, by_prefix.stderr
+    expect_exit(by_prefix)
     assert row["trial_key"][:8] in by_prefix.stdout and "wrote" in by_prefix.stdout
     by_name = run_cli("timeline", "s bs=8 fp32 checkpoint", cwd=sweep_folder)
-    assert by_name.returncode == 0, by_name.stderr
+    expect_exit(by_name)
     assert f"{row['trial_key']}.png" in by_name.stdout
     short = run_cli("timeline", row["trial_key"][:2], cwd=sweep_folder)
-    assert short.returncode == 1 and "a key prefix needs 4+ characters" in short.stderr
+    expect_exit(short, 1)
+    assert "a key prefix needs 4+ characters" in short.stderr

@@ -13,7 +13,7 @@ from harness.cuda.cards import CATALOGUE, card_from_mapping, find_card
 from harness.cuda.device_memory import replay
 from harness.spec import SpecError, parse_spec, trial_configs, with_card
 from harness.trial.estimate import Predictor
-from tests.conftest import run_cli, write_spec
+from tests.conftest import expect_exit, run_cli, write_spec
 
 GPT = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64}
 
@@ -100,7 +100,7 @@ def test_estimate_judges_a_card_on_the_device_figure(base_spec, tmp_path):
     fit, the card does not (its context does not), and fits says NO."""
     spec = write_spec(tmp_path, gpt_spec(base_spec, device="cuda", card="a100-80gb"))
     done = run_cli("estimate", str(spec), "--format", "json", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     row = json.loads(done.stdout)[0]
     allocated, device = row["predicted_peak_bytes"], row["predicted_device_bytes"]
     assert allocated <= row["predicted_reserved_bytes"] < device and row["fits"] is True
@@ -118,15 +118,16 @@ def test_estimate_judges_a_card_on_the_device_figure(base_spec, tmp_path):
         "estimate", str(spec), "--card", "tight", "--cards", "cards.yaml", "--format", "json",
         cwd=tmp_path,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     row = json.loads(done.stdout)[0]
     assert row["card"] == "tight" and row["fits"] is False
     table = run_cli("estimate", str(spec), "--card", "rtx-4090", cwd=tmp_path)
-    assert table.returncode == 0, table.stderr
+    expect_exit(table)
     for heading in ("allocated", "reserved", "device", "rtx-4090"):
         assert heading in table.stdout
     wrong = run_cli("estimate", str(spec), "--card", "rtx-4900", cwd=tmp_path)
-    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
+    expect_exit(wrong, 2)
+    assert len(wrong.stderr.strip().splitlines()) == 1
     assert "did you mean 'rtx-4090'" in wrong.stderr
 
 
@@ -135,7 +136,7 @@ def test_cards_lists_the_catalogue_and_a_users_cards(tmp_path):
         yaml.safe_dump({"my-a6000": {"memory": "48GiB", "compute_capability": "8.6", "sms": 84}})
     )
     done = run_cli("cards", "--cards", "mine.yaml", "--format", "json", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     names = {row["card"]: row for row in json.loads(done.stdout)}
     assert set(CATALOGUE) < set(names)
     assert names["my-a6000"]["memory_bytes"] == 48 * 2**30

@@ -32,7 +32,7 @@ from harness.metrics import DEFAULT_OBJECTIVES, Objective, parse_objectives
 from harness.record.results import load_sweep
 from harness.record.tracking import Tracker
 from harness.spec import parse_spec, trial_configs
-from tests.conftest import BASE_SPEC, REPO, record_trial, run_cli
+from tests.conftest import BASE_SPEC, REPO, expect_exit, record_trial, run_cli
 
 GIB = 2**30
 STEADY = {"step_time_cv": 0.02}
@@ -261,7 +261,7 @@ def test_pareto_report_recommend_on_an_all_failed_sweep_say_one_line_and_write_n
         ["recommend", "--budget", "1GiB"],
     ):
         done = run_cli(*args, cwd=folder)
-        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        expect_exit(done, 1)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], (args, done.stderr)
         assert done.stdout == "", args  # no header, no empty table
@@ -286,7 +286,7 @@ def run_at_80_columns(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]
 def test_recommend_ties_noise_and_prints_the_long_note_whole_at_80_columns(noisy_sweep):
     folder, _ = noisy_sweep
     done = run_at_80_columns("recommend", "--budget", "1GiB", cwd=folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     lines = done.stdout.splitlines()
     assert any(line.startswith("Recommended: tiny 16 fp32 none") for line in lines), done.stdout
     runner = next(line for line in lines if line.startswith("Runner-up:"))

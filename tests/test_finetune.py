@@ -17,7 +17,7 @@ from harness.sweep.launch import launch_trial
 from harness.trial.estimate import closed_form
 from harness.trial.prediction import Prediction
 from harness.trial.run import run_trial
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, expect_exit, run_cli, write_spec
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -168,7 +168,7 @@ def test_estimate_table_names_each_part_and_why_a_row_is_missing(tmp_path):
     data = llama_spec(["none", "lora:8", "adam8bit"])
     data["device_memory"] = "1GiB"
     done = run_cli("estimate", str(write_spec(tmp_path, data)), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     out = done.stdout
     for heading in ("peak", "params", "grads", "optim", "activ.", "closed", "fits", "1 GiB"):
         assert heading in out, heading

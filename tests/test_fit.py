@@ -27,7 +27,7 @@ from harness.trial.config import TrialConfig
 from harness.trial.estimate import Predictor, estimate_peak
 from harness.trial.fit import Curve, Moments, at_value, axis_step, fit_config, predict_fresh
 from harness.trial.run import run_trial
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, expect_exit, run_cli, write_spec
 
 CPU = torch.device("cpu")
 
@@ -254,7 +254,7 @@ def test_fit_cli_answers_each_configuration_and_budget(tmp_path):
     done = run_cli(
         "fit", cli_spec(tmp_path), "--budget", "80KiB,120KiB", "--format", "csv", cwd=tmp_path
     )
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     frame = pd.read_csv(io.StringIO(done.stdout))
     assert len(frame) == 4
     for (strategy,), rows in frame.groupby(["strategy"]):
@@ -272,7 +272,7 @@ def test_fit_cli_answers_each_configuration_and_budget(tmp_path):
 
 def test_fit_cli_table_says_when_not_even_a_batch_of_one_fits(tmp_path):
     done = run_cli("fit", cli_spec(tmp_path), "--budget", "1KiB,120KiB", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     assert "largest batch that fits" in done.stdout
     assert done.stdout.count("does not fit at 1") == 2  # one per configuration, 1 KiB column
     assert "accumulate:4" in done.stdout

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, expect_exit
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
@@ -28,7 +28,7 @@ def run_script(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[
 
 def test_it_needs_an_out_dir():
     done = run_script(timeout=60)
-    assert done.returncode == 2
+    expect_exit(done, 2)
     assert done.stderr.strip().startswith("usage: bash scripts/gpu_check.sh OUT_DIR")
     assert len(done.stderr.strip().splitlines()) == 1
 
@@ -41,7 +41,7 @@ def test_cpu_reduced_check_passes_and_prints_its_table_last(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine runs the full GPU check, not the reduced CPU one")
     done = run_script(str(tmp_path / "out"))
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    expect_exit(done)
 
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["mode"] == "cpu-reduced"

@@ -19,7 +19,7 @@ import grimp
 import pytest
 
 from harness.spec import parse_spec, trial_configs
-from tests.conftest import REPO
+from tests.conftest import REPO, expect_exit
 
 SWEEP_LIBRARIES = (
     "optuna",
@@ -57,7 +57,7 @@ def loaded_roots(script: str) -> tuple[set[str], list[str]]:
         cwd=REPO,
         timeout=300,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
+    expect_exit(done)
     modules = json.loads(done.stdout.strip().splitlines()[-1])
     return {m.partition(".")[0] for m in modules}, [m for m in modules if m.startswith("harness")]
 
@@ -115,7 +115,7 @@ def test_the_layering_contracts_hold():
     done = subprocess.run(
         [str(lint_imports), "--no-cache"], capture_output=True, text=True, cwd=REPO, timeout=300
     )
-    assert done.returncode == 0, done.stdout[-3000:]
+    expect_exit(done)
     assert "2 kept, 0 broken" in done.stdout
 
 
@@ -131,5 +131,5 @@ def test_pyright_finds_no_type_error():
         cwd=REPO,
         timeout=600,
     )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    expect_exit(done)
     assert re.search(r"^0 errors,", done.stdout, re.MULTILINE), done.stdout[-6000:]

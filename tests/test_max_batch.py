@@ -14,7 +14,7 @@ from harness.spec import SpecError, SweepPlan, parse_spec, points, trial_configs
 from harness.sweep.prepare import max_batch_entry
 from harness.sweep.progress import trial_label
 from harness.trial.config import KEYED_WHEN_SET, NOT_DEFINING
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, expect_exit, run_cli, write_spec
 
 BUDGET = "64KiB"  # the tiny MLP on digits fits a batch of a few dozen: well under the split
 
@@ -49,7 +49,7 @@ def test_max_needs_device_memory_one_line_exit_2(tmp_path):
     assert "device_memory" in line
     path = write_spec(tmp_path, data)
     done = run_cli("validate", str(path), cwd=tmp_path)
-    assert done.returncode == 2
+    expect_exit(done, 2)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{path}: grid.batch_size[1]: "), done.stderr
     assert "set device_memory" in lines[0]
@@ -126,7 +126,7 @@ def test_a_max_sweep_trains_at_the_found_batch_records_how_and_resumes(tmp_path)
 
     path = write_spec(tmp_path, max_spec(["max"]))
     done = run_cli("sweep", str(path), cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    expect_exit(done)
     assert "tiny fp32 none: batch_size max within 64.00 KiB: " in done.stdout, done.stdout
 
     expected = fit_grid(load_spec(path), "cpu", [parse_bytes(BUDGET)])
@@ -144,5 +144,5 @@ def test_a_max_sweep_trains_at_the_found_batch_records_how_and_resumes(tmp_path)
     assert run.info.run_name == f"tiny bs=max:{value} fp32 none"
 
     again = run_cli("sweep", str(path), cwd=tmp_path)
-    assert again.returncode == 0, again.stdout + again.stderr
+    expect_exit(again)
     assert "Nothing left to run" in again.stdout, again.stdout

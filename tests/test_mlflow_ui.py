@@ -34,6 +34,7 @@ from harness.spec import parse_spec, trial_configs
 from harness.trial.result import Status, TrialResult
 from tests.conftest import (
     BASE_SPEC,
+    expect_exit,
     free_port,
     headless_chromium,
     record_trial,
@@ -78,19 +79,17 @@ def test_a_failed_trials_note_says_why():
 
 
 def start_mlflow_ui(folder: Path, port: int) -> subprocess.Popen[bytes]:
-    """`make ui` in ``folder``, on another port (and one worker: it starts sooner)."""
+    """`make ui` in ``folder``, on another port (and one worker: it starts sooner); its output
+    in ``folder/mlflow-ui.log``."""
     command = [
         os.path.join(os.path.dirname(sys.executable), "mlflow"), "ui",
         "--backend-store-uri", DEFAULT_MLFLOW_URI,
         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
     ]  # fmt: skip
-    return subprocess.Popen(
-        command,
-        cwd=folder,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with (folder / "mlflow-ui.log").open("wb") as log:
+        return subprocess.Popen(
+            command, cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def stop(server: subprocess.Popen[bytes]) -> None:
@@ -117,14 +116,14 @@ def test_the_printed_url_opens_the_trials_in_headless_chromium(tmp_path):
         spec = {**BASE_SPEC, "name": "ui"}
         spec["train"] = {**BASE_SPEC["train"], "budget": {"steps": 6}}
         done = run_cli("sweep", str(write_spec(tmp_path, spec)), cwd=tmp_path)
-        assert done.returncode == 0, done.stdout + done.stderr
+        expect_exit(done)
         printed = re.search(r"Next: make ui, then open (\S+)", done.stdout)
         assert printed, done.stdout
         store = f"sqlite:///{tmp_path}/results/mlflow.db"
         experiment = MlflowClient(tracking_uri=store).get_experiment_by_name("ui")
         assert printed.group(1) == runs_url(experiment.experiment_id)
         url = runs_url(experiment.experiment_id, f"http://127.0.0.1:{port}")
-        wait_for_port(port, 90, "mlflow ui")
+        wait_for_port(port, 180, "mlflow ui", server, tmp_path / "mlflow-ui.log")
 
         browser = stack.enter_context(headless_chromium("1920,1000"))
         browser.get(url)

@@ -20,7 +20,7 @@ from harness.trial.run import run_trial
 from harness.workloads import build_workload, load_dataset
 from harness.workloads.hf_presets import HF_PRESETS, PUBLISHED_PARAMS
 from harness.workloads.tensors import DataInfo, take
-from tests.conftest import BASE_SPEC, copy_fixture, run_cli, write_spec
+from tests.conftest import BASE_SPEC, copy_fixture, expect_exit, run_cli, write_spec
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -226,10 +226,10 @@ def test_an_hf_sweep_and_its_estimate_through_the_cli(tmp_path):
     data["name"] = "hf-cli"
     path = write_spec(tmp_path, data)
     estimated = run_cli("estimate", str(path), "--format", "json", cwd=tmp_path)
-    assert estimated.returncode == 0, estimated.stderr
+    expect_exit(estimated)
     row = json.loads(estimated.stdout)[0]
     done = run_cli("sweep", str(path), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     frame = load("hf-cli", f"sqlite:///{tmp_path}/results/mlflow.db")
     assert frame.loc[0, "status"] == "ok"
     assert frame.loc[0, "predicted_peak_bytes"] == row["predicted_peak_bytes"]

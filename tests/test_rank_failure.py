@@ -17,7 +17,7 @@ import pytest
 
 from harness.spec import Spec, parse_spec, trial_configs
 from harness.sweep.run import run_with_retries
-from tests.conftest import BASE_SPEC, copy_fixture
+from tests.conftest import BASE_SPEC, copy_fixture, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +79,7 @@ def trial_processes(marker: str) -> list[psutil.Process]:
 
 
 def assert_no_rank_left(marker: str) -> None:
-    deadline = time.monotonic() + 15
-    while trial_processes(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not trial_processes(marker), "a rank outlived its trial"
+    wait_until(lambda: not trial_processes(marker), 60, "no rank outlives its trial")
 
 
 def test_a_rank_that_runs_out_of_memory_alone_ends_the_trial_as_its_oom(tmp_path):

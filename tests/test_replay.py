@@ -38,6 +38,7 @@ from harness.cuda.snapshot import (
     replay,
     replay_report,
 )
+from tests.conftest import expect_exit
 
 REPO = Path(__file__).resolve().parent.parent
 Op = tuple[Any, ...]  # ("malloc", key, size, stream) | ("free", key) | ("empty_cache",)
@@ -485,7 +486,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
         cwd=tmp_path,
         timeout=120,
     )
-    assert done.returncode == 2
+    expect_exit(done, 2)
     assert done.stderr.strip().splitlines() == [
         f"Error: {path}: not a memory snapshot: the pickle ends early (truncated)"
     ]

@@ -13,7 +13,7 @@ import pytest
 from harness.record.tracking import Tracker
 from harness.results import load
 from harness.spec import parse_spec, trial_configs
-from tests.conftest import record_trial, run_cli
+from tests.conftest import expect_exit, record_trial, run_cli
 
 TOO_LARGE = 10**19  # above 2**63 - 1: a uint64 to pandas
 
@@ -55,7 +55,8 @@ def test_a_store_holding_an_int_beyond_int64_still_loads(tmp_path, base_spec):
         assert frame["batch_size"].tolist() == [16, 32]
     keys = load("old", uri)["trial_key"].tolist()
     done = run_cli("results", cwd=tmp_path)  # the table the issue found broken for good
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     assert all(key[:8] in done.stdout for key in keys), done.stdout
     done = run_cli("results", "--columns", "timed_steps", cwd=tmp_path)
-    assert done.returncode == 0 and "10,000,000,000,000,000,000" in done.stdout, done.stderr
+    expect_exit(done)
+    assert "10,000,000,000,000,000,000" in done.stdout, done.stderr

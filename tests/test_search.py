@@ -9,7 +9,7 @@ from harness.results import load
 from harness.spec import SweepPlan, parse_spec
 from harness.sweep.plan import memory_constraint, objective_values, trials_to_run
 from harness.trial.result import Status, TrialResult
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, expect_exit, run_cli, write_spec
 
 
 def result(status: str, **metrics: float) -> TrialResult:
@@ -57,6 +57,8 @@ def test_how_many_trials_a_run_adds():
 
 @pytest.mark.slow
 def test_optuna_search_runs_n_trials_then_adds_more_without_repeats(tmp_path):
+    """Also the search rebuilt from the records when its study is lost (one sweep more here
+    rather than a search sweep of its own in test_sweep_identity.py)."""
     data = {
         **BASE_SPEC,
         "name": "searched",
@@ -67,11 +69,11 @@ def test_optuna_search_runs_n_trials_then_adds_more_without_repeats(tmp_path):
     }
     path = write_spec(tmp_path, data)
     first = run_cli("sweep", str(path), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
+    expect_exit(first)
     again = run_cli("sweep", str(path), cwd=tmp_path)
     assert "Nothing left to run" in again.stdout
     more = run_cli("sweep", str(path), "--n-trials", "1", cwd=tmp_path)
-    assert more.returncode == 0, more.stderr
+    expect_exit(more)
     assert "2 of 3 trials already recorded" in more.stdout
 
     frame = load("searched", f"sqlite:///{tmp_path}/results/mlflow.db")
@@ -87,10 +89,17 @@ def test_optuna_search_runs_n_trials_then_adds_more_without_repeats(tmp_path):
     # No device_memory in this spec: every ok trial is feasible (constraint 0).
     assert all(t.constraints == {"memory": 0.0} for t in measured)
 
+    # The study lost (deleted): rebuilt from the MLflow records, only a new point runs.
+    (tmp_path / "results" / "optuna.db").unlink()
+    rebuilt = expect_exit(run_cli("sweep", str(path), "--n-trials", "1", cwd=tmp_path))
+    assert "3 recorded trial(s) of this sweep were missing from the study" in rebuilt.stdout
+    frame = load("searched", f"sqlite:///{tmp_path}/results/mlflow.db")
+    assert len(frame) == 4 and frame["trial_key"].is_unique  # the fourth point, once
+
 
 def test_n_trials_flag_on_a_grid_spec_is_refused(tmp_path):
     path = write_spec(tmp_path, BASE_SPEC)
     done = run_cli("sweep", str(path), "--n-trials", "2", cwd=tmp_path)
-    assert done.returncode == 2
+    expect_exit(done, 2)
     assert "--n-trials needs search.method: optuna" in done.stderr
     assert "Traceback" not in done.stderr

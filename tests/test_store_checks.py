@@ -24,10 +24,12 @@ from harness.record.store_checks import (
     tracking_problem,
 )
 from harness.record.stores import initialise_mlflow_store, prepare_store
-from tests.conftest import BASE_SPEC, REPO, free_port, run_cli, write_spec
+from tests.conftest import BASE_SPEC, REPO, expect_exit, free_port, run_cli, write_spec
 from tests.test_workers import SERVER, fresh_database, postgres_up  # noqa: F401
 
-ANSWER_S = 15  # a broken store answers within this, MLflow's own retries included
+# A broken store answers within this, the CLI's start-up included: room for a loaded machine
+# (a second suite beside this one), and still far from the ~4 minutes of MLflow's retries.
+ANSWER_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def cut_short(source: Path, target: Path) -> bytes:
 
 def one_line_exit_2(done: subprocess.CompletedProcess[str], elapsed: float, *named: str) -> str:
     output = (done.stdout + done.stderr).strip()
-    assert done.returncode == 2, output
+    expect_exit(done, 2)
     assert "Traceback" not in output, output
     assert len(output.splitlines()) <= 3, output
     for text in named:
@@ -95,6 +97,20 @@ def test_an_unreachable_server_is_one_line_on_every_read_command(tmp_path, comma
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     output = drill(*command, "--tracking-uri", uri, cwd=tmp_path, named=("--tracking-uri", uri))
     assert "refused" in output
+
+
+def test_a_silent_server_is_reported_naming_the_limit_it_ran_past(monkeypatch):
+    """A server that takes the connection and never answers: the check says which limit it hit
+    (its 15 s, here shortened), not a bare "timed out"."""
+    import socket
+
+    monkeypatch.setattr(store_checks, "TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # the kernel completes the connection; nobody ever reads or answers
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        why = store_checks.http_problem(uri)
+    assert why == "no answer on /health within the 0.5 s limit of the store check"
 
 
 @pytest.mark.skipif(not postgres_up(), reason="no PostgreSQL server at 127.0.0.1:5432")

@@ -12,7 +12,7 @@ from harness.spec import SpecError, parse_spec, trial_configs
 from harness.strategies.combination import Combination
 from harness.sweep.launch import launch_trial
 from harness.trial.run import run_trial
-from tests.conftest import BASE_SPEC
+from tests.conftest import BASE_SPEC, expect_exit
 
 GPT8 = {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}
 
@@ -147,7 +147,7 @@ def test_harness_validate_names_both_strategies(tmp_path):
 
     path = write_spec(tmp_path, spec_for(["adafactor", "sgd_momentum"]), "bad.yaml")
     done = run_cli("validate", str(path), cwd=tmp_path)
-    assert done.returncode == 2
+    expect_exit(done, 2)
     assert done.stderr.strip() == (
         f"{path}: grid.strategy[0]: 'adafactor' and 'sgd_momentum' cannot be combined: "
         "both choose the optimizer"

@@ -5,6 +5,7 @@ Slow (real trial processes, real SQLite stores in a temporary folder); CI runs t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -21,7 +22,16 @@ import psutil
 import pytest
 
 from harness.results import load
-from tests.conftest import BASE_SPEC, REPO, copy_fixture, run_cli, write_spec
+from tests.conftest import (
+    BASE_SPEC,
+    REPO,
+    copy_fixture,
+    expect_exit,
+    output_tail,
+    run_cli,
+    wait_until,
+    write_spec,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +65,7 @@ def faults_sweep(tmp_path_factory):
 def test_every_failure_is_recorded_and_the_sweep_goes_on(faults_sweep):
     folder, _, done = faults_sweep
     # A crash or a timeout is no measurement: the sweep says so and exits 1 after its summary.
-    assert done.returncode == 1, done.stderr
+    expect_exit(done, 1)
     assert "exit status 1: 1 crash and 1 timeout (no measurement)" in done.stdout
     frame = load("faults", f"sqlite:///{folder}/results/mlflow.db").set_index("model_size")
     assert frame["status"].to_dict() == {
@@ -96,7 +106,7 @@ def test_optuna_study_records_every_grid_point(faults_sweep):
 def test_results_cli_exports_numbers(faults_sweep):
     folder, _, _ = faults_sweep
     done = run_cli("results", "--format", "csv", cwd=folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     frame = pd.read_csv(io.StringIO(done.stdout))
     assert len(frame) == 5
     assert list(frame.columns[:13]) == [
@@ -120,7 +130,7 @@ def test_results_cli_exports_numbers(faults_sweep):
 
 def test_results_cli_without_a_store_says_what_to_do(tmp_path):
     done = run_cli("results", cwd=tmp_path)
-    assert done.returncode == 1
+    expect_exit(done, 1)
     assert "run a sweep first" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -129,7 +139,7 @@ def test_default_sweep_end_to_end(tmp_path):
     spec_path = tmp_path / "default.yaml"
     shutil.copy(REPO / "experiments" / "default.yaml", spec_path)
     done = run_cli("sweep", str(spec_path), cwd=tmp_path, timeout=900)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     frame = load(tracking_uri=f"sqlite:///{tmp_path}/results/mlflow.db")
     assert (frame["status"] == "ok").sum() >= 12
     assert frame["accuracy"].max() > 0.8
@@ -156,31 +166,24 @@ def test_default_sweep_end_to_end(tmp_path):
 
 
 def test_rerun_resumes_without_repeating_or_duplicating(faults_sweep):
-    """Last in the file: it adds a second (--fresh) sweep to the shared store."""
+    """A second start of a finished sweep runs nothing (``--fresh``: the one-point sweep)."""
     folder, spec_path, _ = faults_sweep
-    again = run_cli("sweep", str(spec_path), cwd=folder)
-    assert again.returncode == 1, again.stderr  # the recorded crash and timeout are still there
+    again = expect_exit(run_cli("sweep", str(spec_path), cwd=folder), 1)  # crash, timeout kept
     assert "5 of 5 trials already recorded" in again.stdout
     assert "Nothing left to run" in again.stdout
     frame = load("faults", f"sqlite:///{folder}/results/mlflow.db")
     assert len(frame) == 5 and frame["trial_key"].is_unique
 
-    fresh = run_cli("sweep", str(spec_path), "--fresh", cwd=folder)
-    assert fresh.returncode == 1, fresh.stderr
-    every = load("faults", f"sqlite:///{folder}/results/mlflow.db", sweep="all")
-    assert len(every) == 10 and every["sweep_run_id"].nunique() == 2
-    assert len(load("faults", f"sqlite:///{folder}/results/mlflow.db")) == 5  # latest sweep only
-
 
 def _recorded_trials(db: Path) -> int:
+    """Trial runs in the MLflow store ``db`` now, read without taking a write lock."""
     if not db.exists():
         return 0
     try:
-        with sqlite3.connect(db) as conn:
-            return conn.execute(
-                "select count(*) from tags where key='mlflow.parentRunId'"
-            ).fetchone()[0]
-    except sqlite3.OperationalError:  # tables not created yet
+        with contextlib.closing(sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)) as conn:
+            query = "select count(*) from tags where key='mlflow.parentRunId'"
+            return conn.execute(query).fetchone()[0]
+    except sqlite3.OperationalError:  # tables not created yet, or locked by the writer now
         return 0
 
 
@@ -196,23 +199,42 @@ def _trial_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
-def start_sweep(spec_path: Path, folder: Path) -> subprocess.Popen:
-    """``harness sweep SPEC`` in the background, in ``folder``, its output discarded."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "harness", "sweep", str(spec_path)],
-        cwd=folder,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def start_sweep(spec_path: Path, folder: Path, log: Path) -> subprocess.Popen:
+    """``harness sweep SPEC`` in the background, in ``folder``, its output appended to ``log``
+    (shown when the test fails)."""
+    with log.open("ab") as output:
+        return subprocess.Popen(
+            [sys.executable, "-m", "harness", "sweep", str(spec_path)],
+            cwd=folder,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
 
 
-def test_a_one_point_grid_sweeps(tmp_path, base_spec):
-    """Optuna's GridSampler alone fails on the last enqueued point; the sweep's sampler must not."""
+def no_trial_left(marker: str, why: str) -> None:
+    """Wait until no trial process of ``marker`` is left (an orphan checks its parent once a
+    second; a loaded machine may take a while to end it); the test fails if one stays."""
+    wait_until(lambda: not _trial_processes(marker), 60, f"{why}: every trial process gone")
+
+
+def test_a_one_point_grid_sweeps_and_fresh_starts_a_second_sweep(tmp_path, base_spec):
+    """Optuna's GridSampler alone fails on the last enqueued point; the sweep's sampler must not.
+    ``--fresh`` then runs the point again as a new sweep beside the first; results show the
+    latest sweep unless asked for all (a one-point sweep: the cheapest sweep to run twice)."""
     base_spec["name"] = "one-point"
-    done = run_cli("sweep", str(write_spec(tmp_path, base_spec)), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert (load("one-point", f"sqlite:///{tmp_path}/results/mlflow.db")["status"] == "ok").all()
+    spec_path = write_spec(tmp_path, base_spec)
+    store = f"sqlite:///{tmp_path}/results/mlflow.db"
+    expect_exit(run_cli("sweep", str(spec_path), cwd=tmp_path))
+    first = load("one-point", store)
+    assert len(first) == 1 and (first["status"] == "ok").all()
+
+    expect_exit(run_cli("sweep", str(spec_path), "--fresh", cwd=tmp_path))
+    every = load("one-point", store, sweep="all")
+    assert len(every) == 2 and every["sweep_run_id"].nunique() == 2
+    assert every["trial_key"].nunique() == 1  # the same point, once per sweep
+    latest = load("one-point", store)  # the latest sweep only
+    assert len(latest) == 1 and latest["sweep_run_id"].iloc[0] != first["sweep_run_id"].iloc[0]
 
 
 @pytest.mark.slow
@@ -225,22 +247,33 @@ def test_three_sigkills_at_random_moments_still_record_every_point_once(tmp_path
     base_spec["grid"].update(batch_size=[8, 16, 32], dtype=["fp32", "bf16"])
     base_spec["train"]["budget"] = {"steps": 6}
     spec_path = write_spec(tmp_path, base_spec)
-    moments = random.Random().sample([x / 2 for x in range(3, 24)], 3)  # 1.5 .. 11.5 s
-    for delay in moments:
-        sweep = start_sweep(spec_path, tmp_path)
-        time.sleep(delay)
+    draw = random.Random()
+    # Each kill comes once the store holds `records` trials (0: while the sweep starts), a
+    # random moment later: a condition, not a clock time, so that on a loaded machine (slow to
+    # start a sweep) the kills still fall mid-sweep and not all during start-up.
+    kills = [
+        (records, round(draw.uniform(0, 2), 2)) for records in sorted(draw.sample(range(6), 3))
+    ]
+    db, log = tmp_path / "results" / "mlflow.db", tmp_path / "sweeps.log"
+    for records, delay in kills:
+        sweep = start_sweep(spec_path, tmp_path, log)
+
+        def recorded_or_ended(sweep: subprocess.Popen = sweep, records: int = records) -> bool:
+            return _recorded_trials(db) >= records or sweep.poll() is not None
+
+        wait_until(recorded_or_ended, 300, f"{records} trial(s) recorded (kills {kills})")
+        time.sleep(delay)  # the random moment itself, not a wait for something
         sweep.kill()  # SIGKILL: no cleanup code runs in the sweep
         sweep.wait()
+        if sweep.returncode not in (0, -9):  # it ended by itself, and not as a finished sweep
+            said = output_tail(log.read_text())
+            pytest.fail(f"the sweep exited {sweep.returncode} (kills {kills})\n{said}")
         # An orphaned trial notices its sweep is gone and stops by itself.
-        deadline = time.monotonic() + 15
-        while _trial_processes(str(tmp_path)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not _trial_processes(str(tmp_path)), moments
-    finished = run_cli("sweep", str(spec_path), cwd=tmp_path)
+        no_trial_left(str(tmp_path), f"kills {kills}")
     # (Kills before the first record leave nothing to resume: the last run then starts anew.)
-    assert finished.returncode == 0, (moments, finished.stderr)
+    expect_exit(run_cli("sweep", str(spec_path), cwd=tmp_path))
     frame = load("thrice", f"sqlite:///{tmp_path}/results/mlflow.db", sweep="all")
-    assert len(frame) == 6 and frame["trial_key"].is_unique, moments
+    assert len(frame) == 6 and frame["trial_key"].is_unique, kills
     assert frame["sweep_run_id"].nunique() == 1
     assert (frame["status"] == "ok").all(), frame[["status", "failure_reason"]]
 
@@ -265,10 +298,7 @@ def test_a_multi_rank_trial_that_fails_leaves_no_rank_behind(tmp_path, mode, sta
     result = launch_trial(config, tmp_path / "trial", timeout_s=12 if mode == "hang" else 30)
     assert result.status == status, result.failure_reason
     assert words in result.failure_reason
-    deadline = time.monotonic() + 15
-    while _trial_processes(str(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _trial_processes(str(tmp_path)), "a rank outlived its trial"
+    no_trial_left(str(tmp_path), "a rank outlived its trial")
 
 
 @pytest.mark.slow
@@ -281,7 +311,7 @@ def test_a_crash_is_retried_and_a_real_allocation_failure_is_oom(tmp_path, base_
     }
     base_spec["limits"] = {"retries": 1}
     done = run_cli("sweep", str(write_spec(tmp_path, base_spec)), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     frame = load("retried", f"sqlite:///{tmp_path}/results/mlflow.db").set_index("model_size")
     assert frame.loc["once", "status"] == "ok"  # crashed (SIGSEGV) once, then ran
     assert frame.loc["once", "attempts"] == 2

@@ -1,14 +1,19 @@
-"""Every strategy that can run on a CPU runs inside a real sweep and is recorded in MLflow."""
+"""Every strategy that can run on a CPU runs inside a real sweep and is recorded in MLflow; the
+sweep runs on two workers, the suite's end-to-end test of ``--workers 2`` on one host."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
+import optuna
 import pytest
+from optuna.trial import TrialState
 
+from harness.record.stores import storage_for
 from harness.results import load
 from harness.strategies import STRATEGIES
-from tests.conftest import BASE_SPEC, run_cli, write_spec
+from tests.conftest import BASE_SPEC, expect_exit, run_cli, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +42,15 @@ CPU_STRATEGIES = [
 ]
 
 
+def both_workers_ran_trials(journal: Path) -> bool:
+    """Whether the study in the sweep's journal file has finished trials of two owners."""
+    storage = storage_for(f"journal:{journal}")
+    (summary,) = optuna.get_all_study_summaries(storage)
+    shared = optuna.load_study(study_name=summary.study_name, storage=storage)
+    owners = {t.user_attrs.get("owner") for t in shared.trials if t.state == TrialState.COMPLETE}
+    return len(owners) == 2
+
+
 def test_every_cpu_strategy_runs_in_a_sweep(tmp_path):
     covered = {
         t.partition(":")[0] for e in CPU_STRATEGIES for t in (e if isinstance(e, list) else [e])
@@ -50,16 +64,21 @@ def test_every_cpu_strategy_runs_in_a_sweep(tmp_path):
     spec["model"] = {"family": "mlp", "sizes": {"m": {"width": 64, "depth": 2}}}
     spec["grid"].update(batch_size=[16], strategy=CPU_STRATEGIES)
     spec["train"]["budget"] = {"steps": 8}
+    spec["measure"]["timeline"] = True  # every strategy as a user runs it: timeline on
     spec["limits"] = {"trial_timeout": "300s"}
     # Two workers: this test is about every strategy running and being recorded (throughput
-    # is not compared), and it exercises --workers on a sweep with multi-rank trials.
+    # is not compared), and it is also the suite's test of --workers 2 on one host: every
+    # point run exactly once, by both workers, through the journal file (with multi-rank
+    # trials among them).
     path = write_spec(tmp_path, spec)
     done = run_cli("sweep", str(path), "--workers", "2", cwd=tmp_path, timeout=1800)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
+    assert "distorted" in done.stdout  # the warning about workers sharing a CPU
     frame = load("every-strategy", f"sqlite:///{tmp_path}/results/mlflow.db").set_index("strategy")
     failed = frame[frame["status"] != "ok"]["failure_reason"].to_dict()
     assert not failed, failed
-    assert len(frame) == len(CPU_STRATEGIES)
+    assert len(frame) == len(CPU_STRATEGIES) and frame["trial_key"].is_unique
+    assert both_workers_ran_trials(tmp_path / "results" / "optuna.journal")
     assert frame.loc["ddp:2", "world_size"] == 2
     assert frame.loc["sgd", "optimizer"] == "sgd"  # the optimizer the trial really used
     assert frame.loc["prune:0.5", "sparsity"] == pytest.approx(0.5, abs=0.01)
@@ -71,7 +90,7 @@ def test_every_cpu_strategy_runs_in_a_sweep(tmp_path):
     cnn["model"] = {"family": "cnn", "sizes": {"s": {"width": 8}}}
     cnn["grid"]["strategy"] = ["channels_last"]
     done = run_cli("sweep", str(write_spec(tmp_path, cnn, "cnn.yaml")), cwd=tmp_path, timeout=600)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     assert (
         load("channels-last", f"sqlite:///{tmp_path}/results/mlflow.db")["status"] == "ok"
     ).all()

@@ -30,7 +30,7 @@ from harness.cli.common import (
     table_text,
 )
 from harness.cli.results import DEFAULT_COLUMNS, readable_table
-from tests.conftest import BASE_SPEC, REPO, run_cli, write_spec
+from tests.conftest import BASE_SPEC, REPO, expect_exit, run_cli, write_spec
 from tests.test_terminal import digits_row
 
 STRATEGIES = ("none", "activation_checkpointing", "fsdp_full_shard+cpu_offload", "lora_r16+8bit")
@@ -187,7 +187,7 @@ def test_text_folds_at_spaces_then_after_separators_never_inside_a_short_word():
 def recorded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tables")
     done = run_cli("sweep", str(write_spec(folder, BASE_SPEC)), cwd=folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     return folder
 
 
@@ -227,7 +227,8 @@ def test_results_fits_an_80_column_terminal_and_a_pipe_gets_whole_lines(recorded
     table = [line for line in narrow.output.splitlines() if not line.startswith(notes)]
     assert max(map(len, table)) <= 80 and "…" not in narrow.output
     piped = run_cli("results", cwd=recorded)  # no terminal: as wide as the cells
-    assert piped.returncode == 0 and "left out" not in piped.stdout
+    expect_exit(piped)
+    assert "left out" not in piped.stdout
     assert piped.stdout.splitlines()[0].split()[:6] == [
         "size", "batch", "dtype", "strategy", "status", "trial",
     ]  # fmt: skip
@@ -248,11 +249,11 @@ def test_estimate_titles_what_was_predicted_and_keeps_numbers_whole(tmp_path):
     grid = BASE_SPEC["grid"] | {"batch_size": [32, 64], "strategy": ["none", "checkpoint"]}
     spec = str(write_spec(tmp_path, BASE_SPEC | {"grid": grid}))
     csv = run_cli("estimate", spec, "--format", "csv", cwd=tmp_path)
-    assert csv.returncode == 0, csv.stderr
+    expect_exit(csv)
     frame = pd.read_csv(io.StringIO(csv.stdout))
     for width in (60, 80):
         done = harness_at(width, "estimate", spec, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr
+        expect_exit(done)
         title = " ".join(re.split(r"\n\s*\n", done.stdout)[0].split())  # above the table
         assert title == (
             "unit: peak memory of 4 trials predicted for cpu on fake tensors, nothing run; "

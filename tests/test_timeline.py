@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from harness.results import load
-from tests.conftest import headless_chromium, run_cli, write_spec
+from tests.conftest import expect_exit, headless_chromium, run_cli, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ SPEC = {
 def swept(tmp_path_factory):
     folder = tmp_path_factory.mktemp("timelines")
     done = run_cli("sweep", str(write_spec(folder, SPEC)), cwd=folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     uri = f"sqlite:///{folder}/results/mlflow.db"
     return folder, uri, load("timelines", uri)
 
@@ -72,7 +72,7 @@ def test_timeline_overlays_checkpoint_on_its_none_twin(swept, tmp_path):
         "timeline", keys["checkpoint"], "--compare", keys["none"], "--out", str(out),
         "--tracking-uri", uri, cwd=folder,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
     by_strategy = {
         row["strategy"]: artifact_json(uri, row["run_id"], tmp_path / row["strategy"])
@@ -88,7 +88,7 @@ def test_timeline_overlays_checkpoint_on_its_none_twin(swept, tmp_path):
 def test_timeline_of_an_unknown_trial_is_one_clear_line(swept):
     folder, uri, _ = swept
     done = run_cli("timeline", "feedfacefeedface", "--tracking-uri", uri, cwd=folder)
-    assert done.returncode == 1
+    expect_exit(done, 1)
     assert "no trial with run id or trial key 'feedfacefeedface'" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -101,7 +101,7 @@ def test_the_report_renders_in_headless_chromium(swept, tmp_path):
     folder, uri, _ = swept
     page = tmp_path / "site" / "report.html"
     done = run_cli("report", "--tracking-uri", uri, "--out", str(page), cwd=folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
@@ -179,7 +179,7 @@ def test_the_report_in_chromium_opens_with_the_recommendation_in_units(swept, tm
     folder, uri, frame = swept
     page = tmp_path / "answer" / "report.html"
     done = run_cli("report", "--tracking-uri", uri, "--out", str(page), cwd=folder)
-    assert done.returncode == 0, done.stderr
+    expect_exit(done)
     with headless_chromium("1400,2400") as browser:
         browser.get(page.as_uri())
         text = browser.find_element(By.TAG_NAME, "body").text

@@ -20,7 +20,15 @@ from harness.spec import SpecError, SweepPlan, parse_spec, trial_configs
 from harness.sweep import plan
 from harness.sweep.workers import check_gpus, gpus_for_worker
 from harness.trial.hardware import cpu_name, host_hardware
-from tests.conftest import BASE_SPEC, REPO, copy_fixture, run_cli, write_spec
+from tests.conftest import (
+    BASE_SPEC,
+    REPO,
+    copy_fixture,
+    expect_exit,
+    output_tail,
+    run_cli,
+    write_spec,
+)
 from tests.test_workers import PASSWORD, fresh_database, postgres_up  # noqa: F401
 
 CPU = {"device": "cpu", "device_name": "Some CPU"}
@@ -82,13 +90,13 @@ def test_retry_failed_replaces_failed_records_in_the_same_sweep(tmp_path):
     uri = f"sqlite:///{tmp_path}/results/mlflow.db"
 
     first = run_cli("sweep", str(spec_path), cwd=tmp_path)
-    assert first.returncode == 1, first.stderr  # the crash
+    expect_exit(first, 1)  # the crash
     before = load("retry", uri).set_index("model_size")
     assert before["status"].to_dict() == {"ok": "ok", "flaky": "crash", "huge": "oom"}
     assert before["device"].eq("cpu").all() and before["device_name"].eq(cpu_name()).all()
 
     again = run_cli("sweep", str(spec_path), "--retry-failed", cwd=tmp_path)
-    assert again.returncode == 0, again.stdout + again.stderr
+    expect_exit(again)
     assert "Retrying 1 recorded trial(s)" in again.stdout
     after = load("retry", uri).set_index("model_size")
     assert after["status"].to_dict() == {"ok": "ok", "flaky": "ok", "huge": "oom"}
@@ -101,7 +109,7 @@ def test_retry_failed_replaces_failed_records_in_the_same_sweep(tmp_path):
     assert old.data.tags["superseded"] == "retry-failed"
 
     everything = run_cli("sweep", str(spec_path), "--retry-failed=all", cwd=tmp_path)
-    assert everything.returncode == 0, everything.stderr
+    expect_exit(everything)
     assert "Retrying 1 recorded trial(s)" in everything.stdout  # the oom; ok trials stay
     last = load("retry", uri).set_index("model_size")
     assert len(last) == 3 and last["trial_key"].is_unique
@@ -114,7 +122,8 @@ def test_retry_failed_replaces_failed_records_in_the_same_sweep(tmp_path):
     assert parent.data.metrics["trials_crash"] == 0
 
     plain = run_cli("sweep", str(spec_path), cwd=tmp_path)
-    assert plain.returncode == 0 and "Nothing left to run" in plain.stdout
+    expect_exit(plain)
+    assert "Nothing left to run" in plain.stdout
 
 
 def worker_command_lines() -> list[str]:
@@ -145,7 +154,7 @@ def test_no_password_in_records_or_command_lines(tmp_path, fresh_database):  # n
         seen += worker_command_lines()
         time.sleep(0.2)
     output = sweep.stdout.read() if sweep.stdout else ""
-    assert sweep.returncode == 0, output
+    assert sweep.returncode == 0, output_tail(output)
     assert any("worker" in line for line in seen), "no worker process was seen running"
     assert not any(PASSWORD in line for line in seen)
     assert PASSWORD not in output

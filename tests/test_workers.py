@@ -14,10 +14,10 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from harness.record.stores import redact, storage_for
+from harness.record.stores import redact
 from harness.results import load
 from harness.sweep import claim
-from tests.conftest import BASE_SPEC, REPO, mlflow_server_at, run_cli, write_spec
+from tests.conftest import BASE_SPEC, REPO, expect_exit, mlflow_server_at, run_cli, write_spec
 
 POINTS = {"batch_size": [8, 16, 32], "dtype": ["fp32", "bf16"], "strategy": ["none"]}
 
@@ -101,20 +101,8 @@ def exactly_once(frame, points: int) -> None:
     assert set(frame["status"]) == {"ok"}
 
 
-@pytest.mark.slow
-def test_workers_2_run_every_point_exactly_once(tmp_path):
-    data = {**BASE_SPEC, "name": "two-workers", "grid": POINTS}
-    data["train"] = {**BASE_SPEC["train"], "budget": {"steps": 6}}
-    done = run_cli("sweep", str(write_spec(tmp_path, data)), "--workers", "2", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "distorted" in done.stdout  # the CPU warning
-    assert (tmp_path / "results" / "optuna.journal").exists()
-    exactly_once(load("two-workers", f"sqlite:///{tmp_path}/results/mlflow.db"), 6)
-    storage = storage_for(f"journal:{tmp_path}/results/optuna.journal")
-    (summary,) = optuna.get_all_study_summaries(storage)
-    shared = optuna.load_study(study_name=summary.study_name, storage=storage)
-    owners = {t.user_attrs.get("owner") for t in shared.trials if t.state == TrialState.COMPLETE}
-    assert len(owners) == 2  # both workers ran trials
+# `harness sweep --workers 2` end to end (every point once, both workers, the journal, the CPU
+# warning) is tests/test_sweep_strategies.py: the every-strategy sweep runs on two workers.
 
 
 @pytest.fixture
@@ -195,7 +183,7 @@ def test_unusable_stores_fail_fast_with_one_line(tmp_path, tracking, field, caus
     data = {**BASE_SPEC, "tracking": tracking}
     started = time.monotonic()
     done = run_cli("sweep", str(write_spec(tmp_path, data)), cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
+    expect_exit(done, 2)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f": {field}: cannot use " in lines[0], done.stderr
     assert cause in lines[0]
@@ -207,6 +195,6 @@ def test_a_results_folder_inside_a_file_is_reported_not_a_traceback(tmp_path):
     (tmp_path / "blocker").write_text("a file, not a folder")
     data = {**BASE_SPEC, "tracking": {"results_dir": "blocker/results"}}
     done = run_cli("sweep", str(write_spec(tmp_path, data)), cwd=tmp_path)
-    assert done.returncode == 2
+    expect_exit(done, 2)
     assert "tracking.results_dir: cannot use blocker/results: Not a directory" in done.stderr
     assert "Traceback" not in done.stderr

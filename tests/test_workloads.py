@@ -12,6 +12,7 @@ import torch
 from harness.workloads import FAMILIES, build_workload, load_dataset
 from harness.workloads.cifar10 import FOLDER, TEST_FILE, TRAIN_FILES
 from harness.workloads.tensors import DataInfo, batches
+from tests.conftest import expect_exit
 
 
 def build_model(family, knobs, info):
@@ -163,7 +164,7 @@ def test_user_code_folders_do_not_shadow_installed_modules(tmp_path):
         f"print(resolve('mymodel:WHERE', [{str(tmp_path)!r}])); print(sys.path[-1])"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr + done.stdout
+    expect_exit(done)
     where, last = done.stdout.split()
     assert not where.startswith(str(tmp_path)) and last == str(tmp_path)
 

@@ -26,7 +26,11 @@ from urllib.parse import urlparse
 
 from harness.record.stores import JOURNAL_PREFIX, redact
 
-TIMEOUT_S = 5  # connecting to a server, a /health answer, a busy SQLite file
+# Connecting to a server, a /health answer, a database's connect_timeout, a busy SQLite file.
+# Long enough for a store on a loaded machine (a server busy with a sweep beside this one) to
+# answer; a refused connection or a missing host answers at once whatever it is. A store that
+# says nothing within it is reported as such, naming this limit.
+TIMEOUT_S = 15
 # SQLite's quick_check reads every page: on files up to this size it costs well under a second.
 # Larger files get the header and schema tests; their damage shows later as a database error.
 QUICK_CHECK_MAX_BYTES = 64 * 2**20
@@ -92,6 +96,11 @@ def journal_file(url: str) -> Path:
 # ---- each kind of store -----------------------------------------------------------------------
 
 
+def timed_out(what: str) -> str:
+    """The answer for a store silent past ``TIMEOUT_S``: which limit was hit, not "timed out"."""
+    return f"{what} within the {TIMEOUT_S:g} s limit of the store check"
+
+
 def http_problem(uri: str) -> str | None:
     """Why the MLflow server at ``uri`` does not answer on ``/health`` (in ``TIMEOUT_S``)."""
     import urllib.error
@@ -104,7 +113,10 @@ def http_problem(uri: str) -> str | None:
     except urllib.error.HTTPError as error:
         return f"HTTP {error.code} from /health"
     except OSError as error:  # URLError, timeouts, refused connections
-        return first_line(getattr(error, "reason", error))
+        cause = getattr(error, "reason", error)
+        if isinstance(cause, TimeoutError):  # connecting (in a URLError) or reading
+            return timed_out("no answer on /health")
+        return first_line(cause)
     return None
 
 
@@ -125,7 +137,10 @@ def database_problem(url: str, tables: frozenset[str] = frozenset(), what: str =
             connection.execute(sa.text("SELECT 1"))
             found = set(sa.inspect(connection).get_table_names()) if tables else set()
     except SQLAlchemyError as error:
-        return first_line(getattr(error, "orig", None) or error)
+        cause = first_line(getattr(error, "orig", None) or error)
+        if "timeout" in cause.lower() or "timed out" in cause.lower():  # connect_timeout
+            return f"{cause} ({timed_out('no connection')})"
+        return cause
     except ImportError as error:
         return first_line(error)
     finally:
