@@ -76,14 +76,14 @@ def test_a_cuda_prediction_carries_the_cards_figures_and_its_replay_stays_behind
 def test_a_prediction_that_failed_is_its_reason_alone():
     for outcome, made in (
         (Outcome.REFUSED, Prediction.refused("lora: no Linear layer")),
-        (Outcome.UNPREDICTABLE, Prediction.unpredictable("adam8bit: compiled code")),
+        (Outcome.CANNOT_PREDICT, Prediction.unpredictable("adam8bit: compiled code")),
     ):
         assert made.outcome is outcome and not made.ok
         assert made.to_dict() == {outcome.value: made.reason}
         assert made.peak_bytes is None and made.judged_bytes is None and made.breakdown == {}
         assert through_json(made) == made
     unpredictable = estimate_peak(config(grid={**BASE_SPEC["grid"], "strategy": ["adam8bit"]}), CPU)
-    assert unpredictable.outcome is Outcome.UNPREDICTABLE
+    assert unpredictable.outcome is Outcome.CANNOT_PREDICT
     assert unpredictable.reason.startswith("adam8bit: ")
 
 
@@ -110,7 +110,7 @@ def test_a_table_row_is_read_with_its_other_columns_and_missing_values_left_out(
     ok, failed = (Prediction.from_dict(row) for row in rows)
     assert ok.ok and ok.peak_bytes == 1536.0 and ok.on_card == on_card
     assert ok.breakdown == {} and ok.num_params is None  # absent, not NaN
-    assert failed.outcome is Outcome.UNPREDICTABLE and failed.reason == "why"
+    assert failed.outcome is Outcome.CANNOT_PREDICT and failed.reason == "why"
     # harness fit's matrix: the predicted configuration's cell is its answer, whatever the
     # other configuration's row holds.
     assert [cell(row, "batch_size") for row in rows] == ["4", "not predicted"]

@@ -35,10 +35,10 @@ class Outcome(StrEnum):
     REFUSED = "refused"
     # The step cannot run on fake tensors (``harness.trial.fake.FAKE_REFUSALS``, a strategy's
     # ``unpredictable``): the trial still runs, without a prediction.
-    UNPREDICTABLE = "unpredictable"
+    CANNOT_PREDICT = "unpredictable"
 
 
-FAILURES = (Outcome.REFUSED, Outcome.UNPREDICTABLE)
+FAILURES = (Outcome.REFUSED, Outcome.CANNOT_PREDICT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,7 +113,7 @@ class Prediction:
 
     @classmethod
     def unpredictable(cls, reason: str) -> Prediction:
-        return cls(outcome=Outcome.UNPREDICTABLE, reason=reason)
+        return cls(outcome=Outcome.CANNOT_PREDICT, reason=reason)
 
     @property
     def ok(self) -> bool:

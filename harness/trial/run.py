@@ -147,7 +147,7 @@ def predict(
     prediction = estimate_peak(config, device, strategies=strategies)
     if prediction.outcome is Outcome.REFUSED:
         raise TrialFailure(Status.CRASH, prediction.reason)
-    if prediction.outcome is Outcome.UNPREDICTABLE:
+    if prediction.outcome is Outcome.CANNOT_PREDICT:
         measured.info["prediction"] = prediction.reason
         return
     peak = prediction.peak_bytes
