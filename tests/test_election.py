@@ -59,7 +59,7 @@ def test_workers_starting_together_settle_on_one_parent_run(tmp_path):
         thread.start()
     for thread in threads:
         thread.join(timeout=300)
-    assert not errors, errors
+    assert not errors, errors  # the SQLite stores too were created by racing starts
     assert len(parents) == 3 and len(set(parents)) == 1, parents
     tracker = Tracker(spec.tracking.mlflow_uri, spec.experiment, tmp_path / "artifacts")
     runs = tracker.client.search_runs(

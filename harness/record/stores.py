@@ -8,9 +8,11 @@ being created never leaves a half-built database. URLs are printed without their
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,9 +40,11 @@ def quiet_mlflow() -> None:
 def prepare_store(uri: str, initialise: Callable[[str], object] | None = None) -> None:
     """Create a ``sqlite:///path.db`` store's folder and, if the file is new, its tables.
 
-    The tables are built in a temporary file that is then renamed into place, so a sweep killed
+    The tables are built in a temporary file that is then linked into place, so a sweep killed
     while a store is being created (schema migrations take seconds) never leaves a half-built
-    database that the next run cannot open. ``initialise(url)`` builds the tables.
+    database that the next run cannot open. Starts racing to create it each build their own
+    file and the first link wins (a link never replaces a file, so no one's open database is
+    swapped from under it). ``initialise(url)`` builds the tables.
     """
     parsed = urlparse(uri)
     if parsed.scheme != "sqlite":
@@ -52,13 +56,13 @@ def prepare_store(uri: str, initialise: Callable[[str], object] | None = None) -
     path.parent.mkdir(parents=True, exist_ok=True)
     if initialise is None or path.exists():
         return
-    scratch = path.with_name(f".{path.name}.{os.getpid()}.creating")
-    scratch.unlink(missing_ok=True)
-    initialise(f"sqlite:///{scratch}")
-    if path.exists():  # another process finished first: keep theirs
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.creating")
+    try:
+        initialise(f"sqlite:///{scratch}")
+        with contextlib.suppress(FileExistsError):  # another start finished first: keep theirs
+            os.link(scratch, path)
+    finally:
         scratch.unlink(missing_ok=True)
-    else:
-        os.replace(scratch, path)
 
 
 def initialise_mlflow_store(url: str) -> None:
