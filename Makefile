@@ -15,6 +15,10 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 TORCH_INDEX ?=
 
 FORMAT ?= table
+# `make test` runs the suite in this many pytest processes (pytest-xdist), a test file each at
+# a time (its module fixtures, e.g. a shared sweep, are built once): most of a test's time is
+# a trial process starting and stores answering, so two overlap well even on two cores.
+TEST_WORKERS ?= 2
 
 .PHONY: install browser sweep results test test-fast bench gpu-check lint ui clean
 
@@ -44,7 +48,7 @@ browser:
 	else echo "note: no chromium/chromedriver and no root apt-get: the browser test will skip"; fi
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
