@@ -532,7 +532,10 @@ def test_cli_json_and_table(tmp_path):
             "alloc_retries",
             "ooms",
         } <= set(row)
-    table = runner.invoke(main, ["replay", str(path), "--card", "h100-80gb"])
+    # as a wide terminal shows it, whatever width the test process inherits
+    table = runner.invoke(
+        main, ["replay", str(path), "--card", "h100-80gb"], env={"COLUMNS": "200"}
+    )
     assert table.exit_code == 0, table.output
     for words in (
         "trace: starts mid-run",
