@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from harness.pipes import LineReader, PipeClosed
+
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -52,18 +54,107 @@ def write_spec(folder: Path, data: dict[str, Any], name: str = "spec.yaml") -> P
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m harness ARGS`` in ``cwd`` (so its results/ land there)."""
+    """Run ``python -m harness ARGS`` in ``cwd`` (so its results/ land there), as a child of
+    this test process's fork server (tests/cli_server.py: the same command in a fresh process,
+    without re-importing MLflow and pandas each time), or as a plain subprocess when
+    ``HARNESS_TEST_FORK=0``."""
     # Tables as a pipe gets them (140 columns), whatever terminal width the runner exports.
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    command = [sys.executable, "-m", "harness", *args]
+    if os.environ.get("HARNESS_TEST_FORK", "1") == "0":
+        return subprocess.run(
+            command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+        )
+    return _cli_server().run(command, [*args], cwd, env, timeout)
+
+
+class _CliServer:
+    """This test process's end of tests/cli_server.py: one command at a time."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "cli_server.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert self.process.stdout is not None
+        self.answers = LineReader(self.process.stdout.fileno())
+        self._answer("ready", 300)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def _answer(self, key: str, seconds: float) -> Any:
+        import json
+
+        try:
+            line = self.answers.line(seconds)
+        except PipeClosed:
+            line = None
+        if line is None:
+            raise RuntimeError(
+                f"the tests' harness fork server gave no {key!r} answer within {seconds:g} s"
+                f" (exit code {self.process.poll()}); HARNESS_TEST_FORK=0 runs commands"
+                " without it"
+            )
+        return json.loads(line)[key]
+
+    def run(
+        self, command: list[str], argv: list[str], cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        import json
+        import tempfile
+
+        assert self.process.stdin is not None
+        with tempfile.TemporaryDirectory(prefix="harness-cli-") as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            request = {"argv": argv, "cwd": str(cwd), "env": env,
+                       "stdout": str(out), "stderr": str(err)}  # fmt: skip
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            pid = self._answer("pid", 60)
+            try:
+                code = self._answer("code", timeout)
+            except RuntimeError:
+                if not self.alive():
+                    raise
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                self._answer("code", 60)
+                raise subprocess.TimeoutExpired(
+                    command, timeout, output=out.read_text(), stderr=err.read_text()
+                ) from None
+            return subprocess.CompletedProcess(
+                command, code, out.read_text(errors="replace"), err.read_text(errors="replace")
+            )
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+_server: _CliServer | None = None
+
+
+def _cli_server() -> _CliServer:
+    global _server
+    if _server is None or not _server.alive():
+        _server = _CliServer()
+    return _server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_cli_server() -> Iterator[None]:
+    yield
+    if _server is not None:
+        _server.close()
 
 
 def output_tail(stdout: str | None, stderr: str | None = None, chars: int = TAIL_CHARS) -> str:

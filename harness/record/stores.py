@@ -3,7 +3,9 @@
 Both default to SQLite files under ``results/``; many processes on one machine share a journal
 file (``journal:PATH``), many machines a PostgreSQL database and an MLflow server. New SQLite
 stores are built in a temporary file and renamed into place, so a sweep killed while one is
-being created never leaves a half-built database. URLs are printed without their password.
+being created never leaves a half-built database; a new MLflow store is a copy of an empty one
+built once per MLflow version (its migrations cost seconds). URLs are printed without their
+password.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -65,10 +68,72 @@ def prepare_store(uri: str, initialise: Callable[[str], object] | None = None) -
         scratch.unlink(missing_ok=True)
 
 
-def initialise_mlflow_store(url: str) -> None:
+TEMPLATE_ENV = "HARNESS_STORE_TEMPLATES"  # a folder, or "0": build every store from scratch
+
+
+def template_folder() -> Path | None:
+    """Where empty stores are kept to be copied: ``$HARNESS_STORE_TEMPLATES``, else
+    ``$XDG_CACHE_HOME/harness/stores`` (``~/.cache/harness/stores``); None when turned off."""
+    chosen = os.environ.get(TEMPLATE_ENV, "").strip()
+    if chosen == "0":
+        return None
+    if chosen:
+        return Path(chosen)
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache"
+    return Path(cache) / "harness" / "stores"
+
+
+def build_mlflow_store(url: str) -> None:
+    """MLflow's own way: open the store, which runs every schema migration (seconds)."""
     from mlflow.tracking import MlflowClient
 
     MlflowClient(tracking_uri=url).search_experiments(max_results=1)
+
+
+def initialise_mlflow_store(url: str) -> None:
+    """Build the tables of a new SQLite MLflow store at ``url``.
+
+    MLflow builds them by running its schema migrations one by one: about 3 s of CPU on a
+    small machine, paid by every new store (each sweep into a fresh folder, each test). So an
+    empty store is built that way once per MLflow version, kept in :func:`template_folder`,
+    and copied; the copy's one row that depends on where it was made (MLflow's "Default"
+    experiment, its artifact folder and dates) is then set as MLflow would have set it here.
+    Where the cache cannot be written, the store is built from scratch as before.
+    """
+    import mlflow
+
+    folder = template_folder()
+    path = Path(url.removeprefix("sqlite:///"))
+    if folder is None:
+        build_mlflow_store(url)
+        return
+    template = folder / f"mlflow-{mlflow.__version__}-empty.db"
+    try:
+        prepare_store(f"sqlite:///{template}", build_mlflow_store)
+        shutil.copyfile(template, path)
+    except OSError:
+        build_mlflow_store(url)
+        return
+    _place_default_experiment(path)
+
+
+def _place_default_experiment(path: Path) -> None:
+    """Give a copied store's "Default" experiment (id 0) the artifact folder and dates MLflow
+    gives it when it creates a store from this working directory."""
+    import sqlite3
+    import time
+
+    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    from mlflow.utils.uri import append_to_uri_path, resolve_uri_if_local
+
+    location = append_to_uri_path(resolve_uri_if_local(DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH), "0")
+    now_ms = int(time.time() * 1000)
+    with contextlib.closing(sqlite3.connect(path)) as database, database:
+        database.execute(
+            "UPDATE experiments SET artifact_location = ?, creation_time = ?,"
+            " last_update_time = ? WHERE experiment_id = 0",
+            (location, now_ms, now_ms),
+        )
 
 
 def storage_for(

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.pipes import LineReader, PipeClosed
 from harness.trial.config import (
     SNAPSHOT_FILE,
     STEP_TIMES_FILE,
@@ -78,24 +78,23 @@ class Zygote:
             stdout=subprocess.PIPE,
             stderr=self.errors,
         )
+        assert self.process.stdout is not None
+        self.answers = LineReader(self.process.stdout.fileno())
         self.ready = False
 
     def _read(self, timeout_s: float) -> dict[str, Any] | None:
         """The next answer, or None after ``timeout_s``; ZygoteFailed if the zygote is gone."""
-        assert self.process.stdout is not None
-        readable, _, _ = select.select([self.process.stdout], [], [], timeout_s)
-        if not readable:
-            return None
-        line = self.process.stdout.readline()
-        if not line:
+        try:
+            line = self.answers.line(timeout_s)
+        except PipeClosed:
             self.process.wait()
             self.errors.seek(0)
             tail = self.errors.read().decode(errors="replace").strip().splitlines()[-1:]
             raise ZygoteFailed(
                 f"exited with code {self.process.returncode}"
                 + (f": {tail[0][:300]}" if tail else "")
-            )
-        return json.loads(line)
+            ) from None
+        return None if line is None else json.loads(line)
 
     def _expect(self, key: str, timeout_s: float) -> Any:
         answer = self._read(timeout_s)
