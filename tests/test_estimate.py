@@ -16,7 +16,7 @@ from harness.sweep.estimate import run_trial_tool
 from harness.sweep.launch import launch_trial
 from harness.trial.estimate import closed_form, estimate_peak
 from harness.trial.run import run_trial
-from tests.conftest import BASE_SPEC, copy_fixture, run_cli, write_spec
+from tests.conftest import BASE_SPEC, SHORT_TEXT, copy_fixture, run_cli, write_spec
 
 GPT8 = {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}
 
@@ -24,7 +24,7 @@ GPT8 = {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}
 def spec(strategy="none", family="mlp", knobs=None, batch_size=8, dtype="fp32"):
     data = copy.deepcopy(BASE_SPEC)
     data["model"] = {"family": family, "sizes": {"m": knobs or {"width": 256, "depth": 2}}}
-    data["data"] = {"dataset": "text" if family == "gpt" else "digits"}
+    data["data"] = dict(SHORT_TEXT) if family == "gpt" else {"dataset": "digits"}
     data["grid"].update(batch_size=[batch_size], dtype=[dtype], strategy=[strategy])
     data["train"]["budget"] = {"steps": 6}
     return data

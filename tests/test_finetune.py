@@ -17,7 +17,7 @@ from harness.sweep.launch import launch_trial
 from harness.trial.estimate import closed_form
 from harness.trial.prediction import Prediction
 from harness.trial.run import run_trial
-from tests.conftest import BASE_SPEC, expect_exit, run_cli, write_spec
+from tests.conftest import BASE_SPEC, SHORT_TEXT, expect_exit, run_cli, write_spec
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -27,9 +27,9 @@ pytest.importorskip("peft")
 LLAMA = {
     "preset": "llama-3.2-1b",
     "num_hidden_layers": 2,
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_attention_heads": 8,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
     "vocab_size": 512,
@@ -51,8 +51,7 @@ LONG_LLAMA = {
 def llama_spec(strategies, dtype="bf16", size=LLAMA, batch_size=4, **train):
     data = copy.deepcopy(BASE_SPEC)
     data["model"] = {"family": "hf", "sizes": {"llama": dict(size)}}
-    # A short held-out split: evaluating the default 20 % of `text` costs each trial minutes.
-    data["data"] = {"dataset": "text", "test_fraction": 0.01}
+    data["data"] = dict(SHORT_TEXT)
     data["grid"].update(batch_size=[batch_size], dtype=[dtype], strategy=list(strategies))
     data["train"]["budget"] = {"steps": 3}
     data["train"].update(train)
@@ -119,7 +118,7 @@ def test_lora_options_choose_targets_rank_and_base_dtype():
     assert result.status == "ok", result.failure_reason
     assert result.info["lora_targets"] == 4  # 2 blocks x (q_proj, v_proj)
     assert result.info["lora_base_dtype"] == "bfloat16"
-    q, v = 4 * (512 + 512), 4 * (512 + 128)  # rank x (in + out) per adapted Linear
+    q, v = 4 * (256 + 256), 4 * (256 + 128)  # rank x (in + out) per adapted Linear
     assert result.metrics["num_params"] == 2 * (q + v)
     assert result.metrics["prediction_ratio"] == pytest.approx(1.0, abs=0.01)
 

@@ -20,7 +20,7 @@ from harness.trial.run import run_trial
 from harness.workloads import build_workload, load_dataset
 from harness.workloads.hf_presets import HF_PRESETS, PUBLISHED_PARAMS
 from harness.workloads.tensors import DataInfo, take
-from tests.conftest import BASE_SPEC, copy_fixture, expect_exit, run_cli, write_spec
+from tests.conftest import BASE_SPEC, SHORT_TEXT, copy_fixture, expect_exit, run_cli, write_spec
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -41,7 +41,8 @@ SMALL_LLAMA = {
 def spec_for(family, size, dataset="text", strategies=("none",), batch_size=8, **extra):
     data = copy.deepcopy(BASE_SPEC)
     data["model"] = {"family": family, "sizes": {"s": size}, **extra.pop("model", {})}
-    data["data"] = {"dataset": dataset, **extra.pop("data", {})}
+    short = SHORT_TEXT if dataset == "text" else {"dataset": dataset}
+    data["data"] = {**short, **extra.pop("data", {})}
     data["grid"].update(batch_size=[batch_size], strategy=list(strategies))
     data["train"]["budget"] = {"steps": 5}
     data["measure"]["timeline"] = False

@@ -11,7 +11,7 @@ import pytest
 
 from harness.spec import SpecError, parse_spec, trial_configs
 from harness.trial.run import run_trial
-from tests.conftest import BASE_SPEC
+from tests.conftest import BASE_SPEC, SHORT_TEXT
 
 GPT = {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 32}
 
@@ -21,7 +21,7 @@ def spec_for(family: str, strategy: str | list[str], batch_size: int = 32) -> di
     sizes = {"mlp": {"width": 256, "depth": 2}, "cnn": {"width": 16}, "gpt": GPT}
     spec["model"] = {"family": family, "sizes": {"m": sizes.get(family, {})}}
     if family == "gpt":
-        spec["data"] = {"dataset": "text"}
+        spec["data"] = dict(SHORT_TEXT)
         batch_size = 8
     spec["grid"].update(batch_size=[batch_size], strategy=[strategy])
     spec["train"]["optimizer"] = {"name": "adam", "lr": 1e-3, "foreach": False}

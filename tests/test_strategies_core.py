@@ -12,7 +12,7 @@ from harness.spec import SpecError, parse_spec, trial_configs
 from harness.strategies.combination import Combination
 from harness.sweep.launch import launch_trial
 from harness.trial.run import run_trial
-from tests.conftest import BASE_SPEC, expect_exit
+from tests.conftest import BASE_SPEC, SHORT_TEXT, expect_exit
 
 GPT8 = {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}
 
@@ -23,7 +23,7 @@ def spec_for(strategy, *, family="mlp", knobs=None, batch_size=8, dtype="fp32", 
         knobs = knobs or GPT8
         dataset = dataset or "text"
     data["model"] = {"family": family, "sizes": {"m": knobs or {"width": 256, "depth": 2}}}
-    data["data"] = {"dataset": dataset or "digits"}
+    data["data"] = dict(SHORT_TEXT) if dataset == "text" else {"dataset": dataset or "digits"}
     data["grid"].update(batch_size=[batch_size], dtype=[dtype], strategy=[strategy])
     data["train"]["budget"] = {"steps": 6}
     return data

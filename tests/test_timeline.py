@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from harness.results import load
-from tests.conftest import expect_exit, headless_chromium, run_cli, write_spec
+from tests.conftest import SHORT_TEXT, expect_exit, headless_chromium, run_cli, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ SPEC = {
         "family": "gpt",
         "sizes": {"t": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}},
     },
-    "data": {"dataset": "text"},
+    "data": dict(SHORT_TEXT),
     "grid": {"batch_size": [8], "dtype": ["fp32"], "strategy": ["none", "checkpoint"]},
     "train": {"optimizer": {"name": "adam", "lr": 1.0e-3}, "budget": {"steps": 6}, "seed": 0},
     "measure": {"warmup_steps": 1, "memory_steps": 2, "timed_steps": 2},

@@ -36,7 +36,7 @@ from harness.trial.estimate import Predictor, estimate_peak
 from harness.trial.setup import build_setup
 from harness.workloads import load_dataset
 from harness.workloads.tensors import take
-from tests.conftest import BASE_SPEC, REPO
+from tests.conftest import BASE_SPEC, REPO, SHORT_TEXT
 
 CPU = torch.device("cpu")
 KINDS = ("fast", "public")
@@ -52,7 +52,7 @@ def case_config(name, batch_size=8):
     family, knobs, strategy = CASES[name]
     data = copy.deepcopy(BASE_SPEC)
     data["model"] = {"family": family, "sizes": {"m": knobs}}
-    data["data"] = {"dataset": "text" if family == "gpt" else "digits"}
+    data["data"] = dict(SHORT_TEXT) if family == "gpt" else {"dataset": "digits"}
     data["grid"].update(batch_size=[batch_size], strategy=[strategy])
     return trial_configs(parse_spec(data))[0]
 
