@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 # Optuna takes heartbeat_interval and grace_period in whole seconds (heartbeat_options).
 HEARTBEAT_S: float = 5
 STALE_AFTER_S: float = 60
+# How often a worker with nothing left to take re-reads whether the others are done: the sweep
+# ends this long at most after its last trial (one small read of the running trials each time).
+OTHERS_DONE_POLL_S: float = 1
 
 
 class TrialAttr:

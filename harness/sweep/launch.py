@@ -152,6 +152,16 @@ def start_warm_starter() -> None:
         atexit.register(_zygotes.zygote.close)
 
 
+def stop_warm_starter() -> None:
+    """Kill this thread's zygote at once: a sweep with nothing left to run need not wait for it
+    to finish importing torch, nor spend a core on it meanwhile."""
+    zygote = getattr(_zygotes, "zygote", None)
+    if zygote is not None:
+        _zygotes.zygote = None
+        zygote.process.kill()
+        zygote.close()
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)

@@ -21,7 +21,7 @@ from harness.spec import (
     load_spec,
 )
 from harness.sweep import claim, plan
-from harness.sweep.launch import launch_trial
+from harness.sweep.launch import launch_trial, stop_warm_starter
 from harness.sweep.launcher import LaunchRequest, OnThisHost, SweepOutcome
 from harness.sweep.prepare import SweepState, prepare, with_tracking
 from harness.sweep.progress import (
@@ -109,6 +109,7 @@ def work(
             tracker.close_sweep(parent, counts, status=status)
 
     if not left.to_run:
+        stop_warm_starter()
         close()
         return outcome
 
@@ -164,7 +165,7 @@ def work(
                 # one is found dead (its point is free again: take it over).
                 until(
                     lambda: claim.fail_stale_trials(study) or not plan.held_by_others(study),
-                    every_s=claim.HEARTBEAT_S,
+                    every_s=claim.OTHERS_DONE_POLL_S,
                     what="the sweep's other workers",
                 )
     except KeyboardInterrupt:
