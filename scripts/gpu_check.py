@@ -4,9 +4,9 @@ what it measured. ``scripts/gpu_check.sh OUT_DIR`` runs it; ``make gpu-check`` i
 
 It needs PyTorch and nothing else (transformers and peft are optional: their trials are skipped
 with a note). This process never imports torch: every trial runs in a process of its own, as a
-sweep runs it (``python -m harness.trial CONFIG RESULT``, or torchrun for ``ddp:1``/``fsdp:1``),
-and one further process runs an out-of-memory trial and a clean trial one after the other
-(``--pair``) to show the worker recovers.
+sweep launches it (``harness.sweep.launch``: forked from the warm zygote, which imported torch
+once, or torchrun for ``ddp:1``/``fsdp:1``), and one further process runs an out-of-memory
+trial and a clean trial one after the other (``--pair``) to show the worker recovers.
 
 Modes (``--mode auto`` picks one from ``torch.cuda.is_available()`` in a probe process):
 
@@ -50,6 +50,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # Standard library only (the registries are plain data): no torch in this process.
+from harness.sweep.launch import launch_trial, warm_start_enabled  # noqa: E402
 from harness.trial.config import TrialConfig  # noqa: E402
 from harness.trial.hardware import cpu_name  # noqa: E402
 from harness.units import format_bytes  # noqa: E402
@@ -319,15 +320,16 @@ def read_result(check: Check, folder: Path, code: int | None, log: Path) -> None
 
 
 def run_single(check: Check, folder: Path, timeout_s: float) -> None:
+    """Launched as a sweep launches it (``harness.sweep.launch``): forked from the warm zygote
+    that has imported torch, or by torchrun for a process-group strategy."""
     assert check.config is not None
-    (folder / "config.json").write_text(check.config.to_json())
-    command = [sys.executable, "-m", "harness.trial", "config.json", "result.json"]
-    if check.launch == "torchrun":
-        ranks = str(check.config.world_size)
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command = [str(folder / a) if a.endswith(".json") else a for a in command]
-    code, check.wall_s = run_process(command, folder / "trial.log", timeout_s)
-    read_result(check, folder, code, folder / "trial.log")
+    start = time.perf_counter()
+    result = launch_trial(check.config, folder, timeout_s)
+    check.wall_s = time.perf_counter() - start
+    check.status, check.reason = result.status.value, result.failure_reason
+    check.metrics, check.info = dict(result.metrics), dict(result.info)
+    if not warm_start_enabled() and check.launch == "worker":
+        check.notes.append("the warm start failed: this trial ran in a fresh process")
 
 
 def run_pair(first: Check, second: Check, folders: list[Path], timeout_s: float) -> None:
@@ -434,12 +436,12 @@ def compare_after_oom(checks: list[Check]) -> None:
         return
     mine, fresh = (c.metrics.get("peak_allocated_bytes", 0) for c in (after, twin))
     after.notes.append(
-        f"peak {format_bytes(mine)} after the OOM vs {format_bytes(fresh)} in a fresh process "
+        f"peak {format_bytes(mine)} after the OOM vs {format_bytes(fresh)} in a process of its own "
         f"({twin.label})"
     )
     if fresh and mine > 1.05 * fresh:
         after.problems.append(
-            f"peak {format_bytes(mine)} after the OOM is above the fresh process's "
+            f"peak {format_bytes(mine)} after the OOM is above the other process's "
             f"{format_bytes(fresh)} ({twin.label}): the OOM left memory behind"
         )
 
@@ -678,6 +680,7 @@ def main(argv: list[str]) -> int:
         # One thread per trial: on a small shared CPU (CI) two threads' spin-waits make a
         # tiny model's steps up to 30x slower; this mode checks behaviour, not speed.
         CHILD_ENV["OMP_NUM_THREADS"] = "1"
+    os.environ.update(child_env())  # what the sweep's launcher passes on to its trials
     have = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "peft")}
     host = {
         "mode": mode,

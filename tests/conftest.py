@@ -23,6 +23,12 @@ import yaml
 
 from harness.pipes import LineReader, PipeClosed
 
+# One torch thread per process (this one's trials and every process a test starts): the suite
+# runs two pytest processes on a small machine, each often with a trial process beside it, and
+# more threads than cores spin-wait against each other. Memory figures do not depend on it; the
+# tests that look at threads or throughput noise build their rows themselves.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
