@@ -152,5 +152,6 @@ if __name__ == "__main__":
     code = serve()
     # Nothing is left to flush (replies are line-buffered, each trial ran in a child): skipping
     # the interpreter's teardown of torch saves a closing sweep 1-2 s.
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
