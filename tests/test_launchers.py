@@ -203,7 +203,7 @@ def test_optuna_heartbeat_keeps_a_live_trial_and_fails_a_silent_one(tmp_path, mo
     assert states["live"].state == TrialState.RUNNING
     assert states["silent"].state == TrialState.FAIL
     assert claim.released(states["silent"], {})  # failed without a status: its point is free
-    # Whoever runs that point again deletes any half-written MLflow run its dead worker left.
+    # Whoever runs that point again deletes any MLflow run of it its dead worker left.
     assert claim.cut_off_before(study, live, "silent") and not claim.cut_off_before(
         study, live, "live"
     )

@@ -66,6 +66,19 @@ def test_half_written_trial_is_not_recorded_and_is_discarded(store, base_spec):
     assert tracker.recorded_trials(parent) == {config.trial_key: "oom"}
 
 
+def test_a_dead_workers_finished_run_of_a_point_is_replaced_not_repeated(store, base_spec):
+    _, tracker, parent, folder = store
+    base_spec["grid"]["batch_size"] = [8, 16]
+    first, other = trial_configs(parse_spec(base_spec))
+    # The dead worker recorded its point and died before the study heard: the point ran again.
+    record_trial(tracker, parent, folder / "t1", first)
+    record_trial(tracker, parent, folder / "t2", other)
+    assert tracker.discard_point(parent, first.trial_key) == 1
+    record_trial(tracker, parent, folder / "t1", first)
+    keys = [run.data.tags["trial_key"] for run in tracker.trial_runs(parent)]
+    assert sorted(keys) == sorted([first.trial_key, other.trial_key])
+
+
 def test_reopening_a_sweep_keeps_its_parent_run(store):
     _, tracker, parent, _ = store
     tracker.close_sweep(parent, {"trials_ok": 1.0})

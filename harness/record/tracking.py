@@ -421,16 +421,18 @@ class Tracker:
             keys.append(run.data.tags.get("trial_key", ""))
         return keys
 
-    def discard_unfinished_trials(self, parent_run_id: str, trial_key: str | None = None) -> int:
-        """Delete half-written trial runs a killed sweep left behind; their trials run again.
-        ``trial_key``: only that point's (a worker about to record a point whose earlier
-        worker died, perhaps while it was recording it)."""
-        runs = (
-            self.trial_runs(parent_run_id)
-            if trial_key is None
-            else self.search(trials_of(parent_run_id, f"tags.trial_key = '{trial_key}'"))
-        )
-        return self.discard_unfinished(runs)
+    def discard_unfinished_trials(self, parent_run_id: str) -> int:
+        """Delete half-written trial runs a killed sweep left behind; their trials run again."""
+        return self.discard_unfinished(self.trial_runs(parent_run_id))
+
+    def discard_point(self, parent_run_id: str, trial_key: str) -> int:
+        """Delete every run of one point, finished or not; how many. For a worker about to
+        record a point whose earlier holder died while recording it, or just after (its run
+        finished, the study not yet told): the new run replaces it, so the point stays once."""
+        runs = self.search(trials_of(parent_run_id, f"tags.trial_key = '{trial_key}'"))
+        for run in runs:
+            self.client.delete_run(run.info.run_id)
+        return len(runs)
 
     def discard_unfinished(self, runs: list[Any]) -> int:
         """Delete the half-written runs (still RUNNING) among ``runs``; how many."""

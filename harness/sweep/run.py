@@ -147,8 +147,9 @@ def work(
                             say(noise_warning(label, noisy), "yellow", relay=NOISE_LINE)
                             warned_noise = True
                         if claim.cut_off_before(study, trial, config.trial_key):
-                            # its dead worker may have left a half-written run of this point
-                            tracker.discard_unfinished_trials(parent, config.trial_key)
+                            # its dead worker may have left a run of this point, half-written
+                            # or finished just before it died: this one replaces it
+                            tracker.discard_point(parent, config.trial_key)
                         run_id = tracker.log_trial(
                             parent, config, result, workdir, started_ms, label
                         )
