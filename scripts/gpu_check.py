@@ -262,10 +262,12 @@ CHILD_ENV: dict[str, str] = {}
 
 
 def child_env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
+    """This process's environment with the repository first on PYTHONPATH (once: ``main``
+    copies the result into ``os.environ``, and later calls build on it)."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {
         **os.environ,
-        "PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO),
+        "PYTHONPATH": os.pathsep.join([str(REPO), *(p for p in paths if p != str(REPO))]),
         "PYTHONUNBUFFERED": "1",
         **CHILD_ENV,
     }
