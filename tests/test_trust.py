@@ -168,7 +168,15 @@ def test_no_password_in_records_or_command_lines(tmp_path, fresh_database):  # n
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("secret-store").experiment_id
     runs = client.search_runs([experiment])
-    assert len(runs) == 3  # the sweep and its two trials
+    described = [
+        {
+            k: run.data.tags.get(k)
+            for k in ("harness_role", "trial_key", "status", "harness_candidate")
+        }
+        | {"run": run.info.run_id[:8], "state": run.info.status}
+        for run in runs
+    ]
+    assert len(runs) == 3, f"not the sweep and its two trials: {described}\n{output_tail(output)}"
     for run in runs:
         recorded = " ".join([*run.data.params.values(), *run.data.tags.values()])
         assert PASSWORD not in recorded

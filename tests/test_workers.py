@@ -27,15 +27,34 @@ def study() -> optuna.Study:
     return optuna.create_study(directions=["minimize"])
 
 
-def test_two_claims_of_one_point_the_first_wins():
+def test_of_two_claims_of_one_point_the_later_look_yields_whatever_the_numbers():
     shared = study()
     first, second = shared.ask(), shared.ask()
-    # Both name the point before either looks: the earlier trial keeps it.
-    first.set_user_attr("trial_key", "k")
-    assert claim.claim_point(shared, second, "k") is False
-    assert claim.claim_point(shared, first, "k") is True
-    assert shared.trials[second.number].user_attrs["abandoned"] is True
-    assert shared.trials[second.number].state == TrialState.FAIL
+    # The earlier-numbered trial names the point only after the later one looked and kept
+    # it (a slow worker): it must yield, or both would run the point.
+    assert claim.claim_point(shared, second, "k") is True
+    assert claim.claim_point(shared, first, "k") is False
+    assert shared.trials[first.number].user_attrs["abandoned"] is True
+    assert shared.trials[first.number].state == TrialState.FAIL
+    assert shared.trials[second.number].state == TrialState.RUNNING
+
+
+def test_two_claims_that_name_a_point_before_either_looks_never_both_keep_it():
+    shared = study()
+    first, second = shared.ask(), shared.ask()
+    first.set_user_attr("trial_key", "k")  # named, not yet looked
+    assert claim.claim_point(shared, second, "k") is False  # sees the first: yields
+    assert claim.claim_point(shared, first, "k") is True  # the second stepped aside
+    both = study()
+    one, two = both.ask(), both.ask()
+    one.set_user_attr("trial_key", "k")
+    two.set_user_attr("trial_key", "k")
+    # Both named it, then both look before either yields: both see it taken.
+    assert claim.taken(both, one, "k") and claim.taken(both, two, "k")
+    for trial in (one, two):  # and yield, as claim_point does
+        trial.set_user_attr("abandoned", True)
+        both.tell(trial, state=TrialState.FAIL)
+    assert claim.claim_point(both, both.ask(), "k") is True  # free again: the next look takes it
 
 
 def test_a_finished_point_is_taken_but_a_dead_workers_point_is_free():

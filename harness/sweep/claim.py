@@ -5,12 +5,15 @@ each Slurm job or Ray actor of ``--launcher``) opens the same Optuna study and t
 points one at a time:
 
 - **Claim.** A worker asks the study for a trial, names its point (``trial_key``) on it, then
-  looks at every other trial of that point: one that is finished (and not abandoned) or an
-  earlier one still running means the point is taken, and the worker abandons its trial and
-  moves on. Both of two racing workers name their point before they look, so the one whose
-  trial came first keeps it and the other sees it: every point runs once. Optuna has nothing
-  for this (its ``GridSampler`` hands the same point to racing workers, and a failed point is
-  never retried), so the claim is ours.
+  looks at every other trial of that point: any other that is running or finished (and not
+  abandoned or a dead worker's) means the point is taken, and the worker abandons its trial
+  and moves on. Each of two racing workers names the point before it looks, so whichever
+  looks last sees the other and yields: two never keep one point. Both may yield, when both
+  named it before either looked; the point is then free again and the next look takes it
+  (``plan.SearchPlan`` looks until no point is free). The trials' numbers cannot decide
+  instead: an earlier-numbered trial may name the point after a later one has looked and
+  kept it. Optuna has nothing for this (its ``GridSampler`` hands the same point to racing
+  workers, and a failed point is never retried), so the claim is ours.
 - **Heartbeat.** While its trial runs, a worker proves it is alive every ``HEARTBEAT_S``
   seconds. On an RDB storage (PostgreSQL, MySQL, SQLite) that is **Optuna's own heartbeat**:
   the storage is opened with ``heartbeat_interval``/``grace_period`` and a stale-trial
@@ -72,7 +75,7 @@ class TrialAttr:
     OWNER = "owner"  # host:pid of the worker that claimed it
     HEARTBEAT = "heartbeat"  # the last beat's time, where the storage keeps no Optuna heartbeat
     OPTUNA_BEAT = "optuna_heartbeat"  # liveness kept by Optuna's heartbeat: its age is Optuna's
-    ABANDONED = "abandoned"  # lost its claim to an earlier trial of the point
+    ABANDONED = "abandoned"  # saw another trial of the point at its claim, and yielded
     STALE = "stale"  # a dead worker's, on studies written before ``status`` told them apart
     STATUS = "status"  # the trial's status, written by ``plan.tell`` before the study is told
     RUN = "mlflow_run_id"  # the trial's MLflow run
@@ -222,10 +225,8 @@ def taken(study: Study, trial: Trial, key: str) -> bool:
             continue
         if released(other, replaced):
             continue
-        if other.state == TrialState.RUNNING and other.number < trial.number:
-            return True
-        if other.state in (TrialState.COMPLETE, TrialState.FAIL):
-            return True
+        if other.state in (TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL):
+            return True  # running: it named the point first, or will see this one and yield
     return False
 
 

@@ -425,16 +425,19 @@ class SearchPlan:
         if self.shuffle:
             start = random.Random().randrange(len(keys))
             keys = keys[start:] + keys[:start]
-        taken = self.taken()
-        for key in keys:
-            # One read of the study for the whole pass; a point that looks free is looked at
-            # again just before it is claimed (another worker may have taken it meanwhile).
-            if key in taken or key in (taken := self.taken()):
-                continue
-            trial, point = ask(self.study, self.spec, self.by_key[key])
-            config = self.sweep.trial_config(point)
-            if claim_point(self.study, trial, config.trial_key):
-                yield trial, point, config
+        # Passes until no point is free: two workers that claimed one point at once may both
+        # have yielded it (``claim.claim_point``), and then it is free again.
+        while free := [key for key in keys if key not in self.taken()]:
+            taken: set[str] = set()
+            for key in free:
+                # A point that looked free is looked at again just before it is claimed
+                # (another worker may have taken it meanwhile).
+                if key in taken or key in (taken := self.taken()):
+                    continue
+                trial, point = ask(self.study, self.spec, self.by_key[key])
+                config = self.sweep.trial_config(point)
+                if claim_point(self.study, trial, config.trial_key):
+                    yield trial, point, config
 
     def propose(self) -> tuple[Trial, dict[str, Any], TrialConfig] | None:
         for _ in range(MAX_REPEATS):
