@@ -103,6 +103,16 @@ _DOCS: dict[str, str] = {
     "eval_time_s": "seconds of the held-out evaluation (and strategies' post-training checks)",
     "memory_step_time_ms": "mean wall time of a step inside the memory window, where tensor "
     "accounting runs (compare with step_time_ms_p50: why the windows are separate)",
+    "predicted_step_time_ms": "the step's time predicted before training from its ops' FLOPs "
+    "and bytes on the device's roofline (a card's, or the CPU's calibrated one)",
+    "predicted_throughput": "samples/s (tokens/s for sequence models) at predicted_step_time_ms, "
+    "all ranks together",
+    "predicted_mfu": "model FLOPs per predicted step time over the device's peak for the "
+    "trial's dtype (recomputation not counted)",
+    "mfu": "model FLOPs utilisation: the step's model FLOPs (counted on its ops, recomputation "
+    "not counted) per measured median step time, over the device's peak for the trial's dtype "
+    "(a card's datasheet; on CPU the calibrated matmul rate)",
+    "step_time_ratio": "predicted_step_time_ms / step_time_ms_p50 (1.0: exact)",
     # Recorded by particular strategies only.
     "sparsity": "prune: fraction of prunable weights that are zero after training",
     "float_linear_weight_bytes": "quantize_int8: bytes of the trained model's Linear weights",
@@ -141,12 +151,14 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
     (BYTES_PER_PARAM, "lower"): ("block_linear_bytes_per_param",),
     (PARAMETERS, None): ("num_params", "num_params_total"),
     (THROUGHPUT, "higher"): ("throughput",),
+    (THROUGHPUT, None): ("predicted_throughput",),
     (MILLISECONDS, "lower"): (
         "step_time_ms_p50",
         "step_time_ms_p90",
         "step_time_ms_p99",
         "memory_step_time_ms",
     ),
+    (MILLISECONDS, None): ("predicted_step_time_ms",),
     (SECONDS, "lower"): (
         "epoch_time_s",
         "estimate_time_s",
@@ -156,9 +168,14 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
         "compile_time_s",
     ),
     (RATIO, "lower"): ("step_time_cv",),
-    (RATIO, None): ("prediction_ratio", "reserved_prediction_ratio", "device_prediction_ratio"),
-    (FRACTION, "higher"): ("accuracy", "int8_accuracy"),
-    (FRACTION, None): ("timing_steal_fraction", "sparsity"),
+    (RATIO, None): (
+        "prediction_ratio",
+        "reserved_prediction_ratio",
+        "device_prediction_ratio",
+        "step_time_ratio",
+    ),
+    (FRACTION, "higher"): ("accuracy", "int8_accuracy", "mfu"),
+    (FRACTION, None): ("timing_steal_fraction", "sparsity", "predicted_mfu"),
     (CORES, None): ("timing_other_busy_cores", "timing_free_cores"),
     (COUNT, None): ("train_steps",),
     (PLAIN, "lower"): ("eval_loss", "train_loss"),

@@ -38,6 +38,16 @@ CARD_KEYS = [
     "card",
     "note",
 ]
+SPEED_KEYS = [
+    "predicted_step_time_ms",
+    "predicted_throughput",
+    "throughput_unit",
+    "predicted_mfu",
+    "predicted_step_flops",
+    "predicted_model_flops",
+    "speed_device",
+    "speed_unmodelled_ops",
+]
 
 
 def through_json(prediction: Prediction) -> Prediction:
@@ -53,7 +63,7 @@ def config(**top):
 def test_a_cpu_prediction_is_written_under_its_names_and_read_back_equal():
     prediction = estimate_peak(config(), CPU)
     assert prediction.ok and prediction.on_card is None and prediction.reason == ""
-    assert list(prediction.to_dict()) == KEYS
+    assert list(prediction.to_dict()) == [*KEYS, *SPEED_KEYS]
     assert through_json(prediction) == prediction
     # The budget is held against the allocated peak, the sum of the breakdown.
     assert prediction.judged_bytes == prediction.peak_bytes == sum(prediction.breakdown.values())
@@ -65,7 +75,7 @@ def test_a_cuda_prediction_carries_the_cards_figures_and_its_replay_stays_behind
         prediction = predictor.predict(target.batch_size)
     assert prediction.on_card is not None and prediction.replay is not None
     assert prediction.totals and max(prediction.totals) == prediction.on_card.tracked_peak_bytes
-    assert list(prediction.to_dict()) == [*KEYS, "totals", *CARD_KEYS]
+    assert list(prediction.to_dict()) == [*KEYS, "totals", *CARD_KEYS, *SPEED_KEYS]
     back = through_json(prediction)
     assert back == prediction and back.replay is None  # not JSON: in-process only
     assert prediction.judged_bytes == prediction.on_card.device_bytes > prediction.peak_bytes

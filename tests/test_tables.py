@@ -241,7 +241,7 @@ def harness_at(columns: int, *args: str, cwd) -> subprocess.CompletedProcess[str
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
 
 
-LEFT_OUT_AT_60 = "activ., other, model state, closed form, trainable"
+LEFT_OUT_AT_60 = "optim, activ., other, model state, closed form, trainable, throughput, MFU"
 
 
 @pytest.mark.slow
@@ -256,7 +256,8 @@ def test_estimate_titles_what_was_predicted_and_keeps_numbers_whole(tmp_path):
         expect_exit(done)
         title = " ".join(re.split(r"\n\s*\n", done.stdout)[0].split())  # above the table
         assert title == (
-            "unit: peak memory of 4 trials predicted for cpu on fake tensors, nothing run; "
+            "unit: peak memory and step time of 4 trials predicted for cpu on fake tensors, nothing "
+            "run; "
             "every row: size tiny, dtype fp32"
         )
         assert "()" not in done.stdout and "…" not in done.stdout

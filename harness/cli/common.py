@@ -19,7 +19,13 @@ from rich.table import Table
 
 from harness.analyse.noise import NOISY_MARK, Row, noise_reason
 from harness.contract import DEFAULT_MLFLOW_URI, DEFAULT_RESULTS_DIR
-from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric, format_metric, unit_of
+from harness.metrics import (
+    BREAKDOWN_CATEGORIES,
+    THROUGHPUT,
+    breakdown_metric,
+    format_metric,
+    unit_of,
+)
 from harness.spec import SpecError
 
 
@@ -185,11 +191,12 @@ def cell(column: str, value: Any, row: Row | None = None) -> str:
     number = cast(float, value)
     if unit_of(column) is None and isinstance(value, Integral):
         return f"{int(number):,}"
-    if column == "throughput":
+    if unit_of(column) == THROUGHPUT:  # measured or predicted: in the trial's unit
         row = {} if row is None else row
         unit = row.get("throughput_unit")
         text = format_metric(column, number, unit if isinstance(unit, str) and unit else None)
-        return text + (NOISY_MARK if noise_reason(row) else "")
+        noisy = column == "throughput" and noise_reason(row)
+        return text + (NOISY_MARK if noisy else "")
     return format_metric(column, number)
 
 

@@ -103,6 +103,9 @@ TABLE_COLUMNS = {
     "korthikanti_activation_bytes": "Korthikanti",
     "num_params": "trainable",
     "fits": "fits",
+    "predicted_step_time_ms": "step",
+    "predicted_throughput": "throughput",
+    "predicted_mfu": "MFU",
 }
 
 
@@ -112,6 +115,8 @@ CROSS_CHECKS = ("predicted_model_state_bytes", "closed_form_model_state_bytes")
 SPARE_COLUMNS = (
     *CROSS_CHECKS[::-1],
     "num_params",
+    "predicted_mfu",
+    "predicted_throughput",
     "predicted_mem_other_bytes",
     "predicted_mem_activation_bytes",
     "predicted_mem_optim_bytes",
@@ -138,7 +143,7 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     rows: list[list[str]] = []
     reasons: list[str] = []
     for _, row in frame.iterrows():
-        cells = [estimate_cell(column, row[column]) for column in columns]
+        cells = [estimate_cell(column, row[column], row) for column in columns]
         prediction = Prediction.from_dict(row)
         if not prediction.ok:
             reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {prediction.reason}")
@@ -171,7 +176,8 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
             else "; model state = parameters + gradients + optimizer state as built; closed "
             "form = the same from textbook bytes per parameter"
         )
-        + "; trainable = parameters that get gradients",
+        + "; trainable = parameters that get gradients; step = one optimizer step's predicted "
+        "time, MFU = model FLOPs per step time over the device's peak (docs/speed.md)",
         highlight=False,
     )
     for reason in reasons:
@@ -192,16 +198,16 @@ def estimate_title(frame: Any, spec: Any, target: str, fixed: list[str]) -> str:
     cards = frame["card"].dropna().unique() if "card" in frame else []
     device = f"{target} ({', '.join(map(str, cards))})" if len(cards) else target
     title = (
-        f"{spec.experiment}: peak memory of {len(frame)} trials predicted for {device} "
-        "on fake tensors, nothing run"
+        f"{spec.experiment}: peak memory and step time of {len(frame)} trials predicted for "
+        f"{device} on fake tensors, nothing run"
     )
     shared = ", ".join(f"{TABLE_COLUMNS[c]} {frame[c].iloc[0]}" for c in fixed)
     return f"{title}; every row: {shared}" if shared else title
 
 
-def estimate_cell(column: str, value: Any) -> str:
+def estimate_cell(column: str, value: Any, row: Any = None) -> str:
     from harness.cli.common import cell, is_missing
 
     if column == "fits" and not is_missing(value):
         return "yes" if value else "NO"
-    return cell(column, value)  # the one rule of every table: bytes, counts, ...
+    return cell(column, value, row)  # the one rule of every table: bytes, counts, ...

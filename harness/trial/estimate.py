@@ -27,13 +27,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from harness.contract import OPTIMIZER_STATE_BYTES
 from harness.cuda.device_memory import FREE, DeviceMemory, Replayable
 from harness.cuda.kernels import Workspaces
+from harness.cuda.speed import card_roofline
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.allocations import AllocationLog
 from harness.meters.memory import MemoryWindow
+from harness.meters.op_costs import OpCostCounter
+from harness.meters.roofline import Roofline, step_time
 from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
 from harness.strategies.base import Strategy, StrategyError
 from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
 from harness.strategies.settings import DEFAULT_LORA
+from harness.trial.calibrate import cpu_roofline
 from harness.trial.config import TrialConfig
 from harness.trial.distributed import Ranks
 from harness.trial.fake import (
@@ -42,7 +46,7 @@ from harness.trial.fake import (
     fake_process_group,
     libraries_run_eagerly,
 )
-from harness.trial.prediction import CardFigures, Prediction
+from harness.trial.prediction import CardFigures, Prediction, SpeedFigures
 from harness.trial.setup import Setup, build_setup
 from harness.trial.target import CudaTarget, cuda_rules, cuda_target, target_note
 from harness.units import format_bytes
@@ -119,6 +123,11 @@ class Predictor:
             cuda_target(config, as_cuda, self.strategies)
             if as_cuda or device.type == "cuda"
             else None
+        )
+        # Whose speed the step is priced on: the card's, or this CPU's (calibrated once here,
+        # outside the fake world the window runs in).
+        self.roofline: Roofline = (
+            card_roofline(self.target.card) if self.target is not None else cpu_roofline()
         )
         self.log: AllocationLog | None = None  # CUDA targets: every allocation, in order
         self.workspaces: Workspaces | None = None
@@ -222,9 +231,12 @@ class Predictor:
         )
         history = self.history() if self.log is not None else []
         start = len(self.log.events) if self.log is not None else 0
-        with window:
-            for staged_batch in staged[: self.steps_run]:
+        run = staged[: self.steps_run]
+        with window, OpCostCounter() as counter:
+            for staged_batch in run:
                 setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
+        counter.costs.steps = len(run)
+        speed = self.speed(counter, setup, config)
         # This rank's parameters (frozen ones too) + a gradient for each trainable one + the
         # optimizer's persistent state.
         parameters = list(setup.model.parameters())
@@ -272,7 +284,26 @@ class Predictor:
             model_state_bytes=model_state,
             totals=window.totals_tracker.totals if window.totals_tracker is not None else None,
             on_card=on_card,
+            speed=speed,
             replay=replay,
+        )
+
+    def speed(self, counter: OpCostCounter, setup: Setup, config: TrialConfig) -> SpeedFigures:
+        """The window's ops priced on the roofline: one step's time, the trial's throughput
+        (every rank's samples), and MFU at the trial's dtype."""
+        timed = step_time(counter.costs, self.roofline)
+        unmodelled = list(timed.unmodelled)
+        if timed.collectives_unpriced:
+            unmodelled.insert(0, "collectives (no link bandwidth)")
+        return SpeedFigures(
+            step_time_ms=timed.seconds * 1000,
+            throughput=setup.samples_per_step * setup.ranks.size / timed.seconds,
+            throughput_unit=setup.info.get("throughput_unit", "samples/s"),
+            mfu=timed.mfu(self.roofline, config.dtype),
+            step_flops=timed.flops,
+            model_flops=timed.model_flops,
+            device=self.roofline.name,
+            unmodelled_ops=", ".join(unmodelled),
         )
 
     def history(self) -> list[tuple[int, int]]:

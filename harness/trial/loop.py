@@ -196,11 +196,21 @@ class TrainingLoop:
         del staged
         speed = timer.metrics(setup.samples_per_step)
         self.measured.metrics.update(setup.ranks.combined_speed(speed))
+        self.compare_speed()
         self.record_contention(contention.metrics())
         if self.output_dir is not None and setup.ranks.is_writer:
             self.write_step_times(timer)
         for loss in losses:
             self.record_loss(loss)
+
+    def compare_speed(self) -> None:
+        """How right the predicted step time was, and the MFU the measured one makes: the
+        same model FLOPs and peak as the prediction's MFU, over the measured time."""
+        metrics = self.measured.metrics
+        predicted, measured = metrics.get("predicted_step_time_ms"), metrics["step_time_ms_p50"]
+        if predicted and measured > 0:
+            metrics["step_time_ratio"] = predicted / measured
+            metrics["mfu"] = metrics["predicted_mfu"] * predicted / measured
 
     def record_contention(self, figures: dict[str, float]) -> None:
         """The busiest rank's view of the timed window (``harness.meters.contention``): the

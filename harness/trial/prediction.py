@@ -90,6 +90,48 @@ class CardFigures:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpeedFigures:
+    """How fast one training step is predicted to run (``harness.meters.roofline``): priced on
+    a card's roofline, or on the CPU's calibrated one."""
+
+    step_time_ms: float
+    throughput: float  # in throughput_unit, all ranks together
+    throughput_unit: str  # samples/s, or tokens/s for sequence models
+    mfu: float  # model FLOPs per second over the device's peak for the trial's dtype
+    step_flops: float  # per step and rank, recomputation included
+    model_flops: float  # per step and rank, without recomputation
+    device: str  # whose roofline: a card's name, or "cpu"
+    unmodelled_ops: str  # ops no rule covered, comma-separated ("" when none)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "predicted_step_time_ms": self.step_time_ms,
+            "predicted_throughput": self.throughput,
+            "throughput_unit": self.throughput_unit,
+            "predicted_mfu": self.mfu,
+            "predicted_step_flops": self.step_flops,
+            "predicted_model_flops": self.model_flops,
+            "speed_device": self.device,
+            "speed_unmodelled_ops": self.unmodelled_ops,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SpeedFigures | None:
+        if _absent(data.get("predicted_step_time_ms")):
+            return None
+        return cls(
+            step_time_ms=data["predicted_step_time_ms"],
+            throughput=data["predicted_throughput"],
+            throughput_unit=data.get("throughput_unit") or "samples/s",
+            mfu=data["predicted_mfu"],
+            step_flops=data["predicted_step_flops"],
+            model_flops=data["predicted_model_flops"],
+            device=data["speed_device"],
+            unmodelled_ops=data.get("speed_unmodelled_ops") or "",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Prediction:
     """A trial's predicted peak and what it is made of, or why there is none (``outcome``,
     ``reason``). The figures are None (``breakdown`` empty) when there is no prediction, and
@@ -105,6 +147,7 @@ class Prediction:
     model_state_bytes: float | None = None  # parameters + gradients + optimizer state as built
     totals: list[int] | None = None  # the live total after every op (``totals=True``: fit)
     on_card: CardFigures | None = None  # a CUDA target's card
+    speed: SpeedFigures | None = None  # the step's predicted time
     replay: Replayable | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -151,6 +194,8 @@ class Prediction:
             out["totals"] = self.totals
         if self.on_card is not None:
             out.update(self.on_card.to_dict())
+        if self.speed is not None:
+            out.update(self.speed.to_dict())
         return out
 
     @classmethod
@@ -181,6 +226,7 @@ class Prediction:
             model_state_bytes=get("predicted_model_state_bytes"),
             totals=get("totals"),
             on_card=CardFigures.from_dict(data),
+            speed=SpeedFigures.from_dict(data),
         )
 
 

@@ -153,6 +153,14 @@ def predict(
     peak = prediction.peak_bytes
     assert peak is not None
     measured.metrics["predicted_peak_bytes"] = peak
+    speed = prediction.speed
+    if speed is not None:  # the timed window compares (step_time_ratio) and derives mfu
+        measured.metrics["predicted_step_time_ms"] = speed.step_time_ms
+        measured.metrics["predicted_throughput"] = speed.throughput
+        measured.metrics["predicted_mfu"] = speed.mfu
+        measured.info["speed_device"] = speed.device
+        if speed.unmodelled_ops:
+            measured.info["speed_unmodelled_ops"] = speed.unmodelled_ops
     card = prediction.on_card
     if card is not None:  # a CUDA target: what the card holds, and what lives beside the allocator
         measured.metrics["predicted_reserved_bytes"] = card.reserved_bytes

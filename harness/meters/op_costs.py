@@ -1,0 +1,204 @@
+"""What one training step asks of the hardware, op by op: FLOPs and bytes moved.
+
+The speed prediction (``harness.meters.roofline``) prices these on a card. They are counted
+on the same step the memory prediction runs on fake tensors (``harness.trial.estimate``), so
+one pass gives both, and what is priced is what the trial runs: its strategies, its autocast
+dtypes, its optimizer step, its recomputation.
+
+Every aten op the step dispatches gets one rule, and the rule is recorded with it:
+
+- ``flops``: torch's own FLOP formulas (``torch.utils.flop_counter``: matmuls, convolutions,
+  attention), plus the CPU's fused attention, which torch has no formula for; priced by the
+  larger of compute time and memory time.
+- ``memory``: pointwise ops, reductions, copies, indexing, norms, softmax, the optimizer's
+  ``_foreach`` ops: bytes read and written, priced on memory bandwidth.
+- ``free``: views and bare allocations, which launch no kernel.
+- ``collective``: communication between ranks (priced on the interconnect).
+- ``no rule``: anything else; priced as memory traffic all the same, and named, so a
+  prediction never hides that it guessed (``StepCosts.unmodelled``).
+
+FLOPs done again because activations were not kept (``checkpoint``, ``sac``) are told apart:
+a recomputation is a forward op run inside the backward pass with autograd recording (the
+backward itself runs with it off). They count in the step's time, not in its *model* FLOPs,
+the numerator of MFU (Chowdhery et al. 2022, PaLM, appendix B).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+FLOPS, MEMORY, FREE, COLLECTIVE, NO_RULE = "flops", "memory", "free", "collective", "no rule"
+
+aten = torch.ops.aten
+
+
+def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_attention_backward(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
+) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# torch's formulas take the op's tensors (they are wrapped to read shapes); these are missing.
+_FORMULAS: dict[Any, Any] = {
+    **flop_registry,
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+
+# Memory-bound ops torch tags neither pointwise nor reduction.
+_MEMORY_OPS = {
+    "copy_", "_to_copy", "clone", "contiguous", "fill_", "zero_", "zeros_like", "ones_like",
+    "full_like", "zeros", "ones", "full", "scalar_tensor", "arange", "cat", "stack", "split",
+    "index", "index_select", "index_put_", "index_put", "index_add_", "_index_put_impl_",
+    "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "embedding",
+    "embedding_dense_backward", "masked_fill", "masked_fill_", "where", "tril", "triu",
+    "constant_pad_nd", "slice_backward", "select_backward", "expand_copy", "_unsafe_view",
+    "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm",
+    "_fused_rms_norm_backward", "native_batch_norm", "native_batch_norm_backward",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training", "native_group_norm", "native_group_norm_backward",
+    "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
+    "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
+    "native_dropout", "native_dropout_backward", "bernoulli_", "uniform_", "normal_",
+    "max_pool2d_with_indices", "max_pool2d_with_indices_backward", "avg_pool2d",
+    "avg_pool2d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward",
+    "topk", "sort", "cumsum", "repeat", "roll", "flip", "_fused_adam_", "_fused_adamw_",
+    "_fused_sgd_", "linalg_vector_norm", "_amp_foreach_non_finite_check_and_unscale_",
+    "_amp_update_scale_", "masked_scatter", "_local_scalar_dense", "rand", "randn", "randint",
+    "randperm", "new_zeros", "new_ones", "new_full", "lift_fresh_copy", "_pin_memory", "silu",
+    "silu_backward", "gelu", "gelu_backward", "threshold_backward", "nonzero",
+    "all_gather_copy_in", "split_with_sizes_copy", "chunk_cat", "_chunk_cat",
+}  # fmt: skip
+# No kernel: allocations without a write, metadata.
+_FREE_OPS = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
+    "resize_", "record_stream", "_has_compatible_shallow_copy_type", "detach_", "_version",
+    "device", "_record_function_enter", "_record_function_enter_new", "_record_function_exit",
+}  # fmt: skip
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """One dispatched op: its rule, the dtype it computes in, its work."""
+
+    name: str  # "mm", "_foreach_add_", ...
+    rule: str  # FLOPS, MEMORY, FREE, COLLECTIVE, NO_RULE
+    dtype: str  # of its first floating-point input (else its first tensor): the peak it runs at
+    flops: float
+    bytes: float  # read + written
+    recompute: bool  # a forward op run again in the backward (checkpointing)
+
+
+@dataclass
+class StepCosts:
+    """Every op of the steps counted, and how many steps that was."""
+
+    calls: list[OpCall] = field(default_factory=list)
+    steps: int = 1
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of one step as executed, recomputation included."""
+        return sum(call.flops for call in self.calls) / self.steps
+
+    @property
+    def model_flops(self) -> float:
+        """FLOPs of one step without recomputation: the numerator of MFU."""
+        return sum(call.flops for call in self.calls if not call.recompute) / self.steps
+
+    @property
+    def bytes(self) -> float:
+        return sum(call.bytes for call in self.calls) / self.steps
+
+    @property
+    def unmodelled(self) -> list[str]:
+        """The ops no rule covers (priced as memory traffic), most called first."""
+        counts = Counter(call.name for call in self.calls if call.rule == NO_RULE)
+        return [name for name, _ in counts.most_common()]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> float:
+    return float(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def rule_of(func: torch._ops.OpOverload) -> str:
+    """Which rule prices ``func`` (module docstring)."""
+    packet = func.overloadpacket
+    if packet in _FORMULAS:
+        return FLOPS
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        return COLLECTIVE
+    name = packet.__name__
+    if func.is_view or name in _FREE_OPS:
+        return FREE
+    tags = func.tags
+    if (
+        torch.Tag.pointwise in tags
+        or torch.Tag.reduction in tags
+        or name in _MEMORY_OPS
+        or name.startswith("_foreach_")
+    ):
+        return MEMORY
+    return NO_RULE
+
+
+def _compute_dtype(tensors: list[torch.Tensor]) -> str:
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            return str(tensor.dtype).removeprefix("torch.")
+    return str(tensors[0].dtype).removeprefix("torch.") if tensors else "none"
+
+
+def _recomputing() -> bool:
+    """Inside the backward pass with autograd recording: a checkpoint's recomputation (the
+    backward's own ops run with grad mode off unless ``create_graph``, which no trial uses)."""
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+
+
+class OpCostCounter(TorchDispatchMode):
+    """Records an ``OpCall`` for every aten op dispatched while it is active (fake tensors
+    too: only shapes and dtypes are read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.costs = StepCosts()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rule = rule_of(func)
+        if rule == FREE:
+            return out
+        inputs = _tensors((args, kwargs))
+        outputs = _tensors(out)
+        flops = 0.0
+        if rule == FLOPS:
+            flops = float(_FORMULAS[func.overloadpacket](*args, **kwargs, out_val=out))
+        self.costs.calls.append(
+            OpCall(
+                name=func.overloadpacket.__name__,
+                rule=rule,
+                dtype=_compute_dtype(inputs or outputs),
+                flops=flops,
+                bytes=_nbytes(inputs) + _nbytes(outputs),
+                recompute=_recomputing(),
+            )
+        )
+        return out

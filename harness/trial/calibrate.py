@@ -1,0 +1,229 @@
+"""The CPU as a card: its roofline measured once per host by short microbenchmarks, cached.
+
+A CPU has no datasheet a step-time prediction can trust (vector units, cache sizes, whether
+bf16 runs natively all vary), so its ``Roofline`` is measured, with the trial's own thread
+count, in about ten seconds:
+
+- matmul: square ``mm`` over growing sizes per dtype (fp32, bf16, fp16); the device time of
+  each (its wall time less a 1x1 ``mm``'s, the dispatch) fitted to the roofline's saturating
+  curve ``(flops + half) / rate``: the rate is the dtype's peak (calibrated, so its
+  efficiency is 1), ``half`` its ``matmul_half_flops``;
+- bandwidth: ``add(a, b, out=c)`` over growing sizes, fitted the same way (bytes / rate);
+- convolutions: a 3x3 convolution's forward and backward over growing channel counts, its
+  rate as a share of the matmul rate (oneDNN's convolutions reach far less of the cores than
+  its matmuls);
+- host overhead: a tiny MLP's real training step (forward, backward, SGD) timed over many
+  steps, divided by the ops it dispatches: Python, ``nn.Module`` calls, autograd and the
+  dispatcher per op, as a trial's step pays them.
+
+The result is cached under ``$XDG_CACHE_HOME/harness/calibration`` (``~/.cache``), keyed by
+the CPU's name, core count, thread count and torch version; a lock makes a second trial
+that needs it wait for the first's measurement instead of disturbing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from harness.meters.op_costs import OpCostCounter
+from harness.meters.roofline import Roofline
+from harness.trial.hardware import cpu_name
+
+VERSION = 2  # bump when what is measured changes: old caches are then ignored
+MATMUL_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
+CONV_CHANNELS = (8, 16, 32, 64)
+COPY_ELEMENTS = tuple(2**k for k in range(12, 24, 2))  # 16 KiB .. 32 MiB per fp32 operand
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SLOW_CALL_S = 0.05  # stop growing a benchmark once one call takes this long
+ENOUGH_S = 0.02  # repeat a call until this much time is measured (best of the repeats)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache"
+    return Path(base) / "harness" / "calibration"
+
+
+def host_key(threads: int) -> str:
+    identity = f"{cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}|{VERSION}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def cpu_roofline(threads: int | None = None) -> Roofline:
+    """This host's roofline at ``threads`` (default: torch's current count), measured once
+    and cached (module docstring)."""
+    threads = threads or torch.get_num_threads()
+    path = cache_dir() / f"cpu-{host_key(threads)}.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return Roofline.from_dict(json.loads(path.read_text()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_suffix(".lock")):
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            return Roofline.from_dict(json.loads(path.read_text()))  # measured meanwhile
+        roofline = measure(threads)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(roofline.to_dict(), indent=1))
+        partial.replace(path)
+    return roofline
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _best_seconds(call: Callable[[], object]) -> float:
+    """The fastest of enough repeats of ``call`` (the least disturbed by anything else)."""
+    call()  # warm: first-call allocations, thread pool start
+    times: list[float] = []
+    while sum(times) < ENOUGH_S or len(times) < 3:
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+        if len(times) >= 200:
+            break
+    return min(times)
+
+
+def fit_saturating(work: list[float], seconds: list[float]) -> tuple[float, float]:
+    """``(rate, half)`` of ``seconds = (work + half) / rate``, least squares on relative error
+    (small calls count as much as large ones); ``half`` is never negative."""
+    weights = [1 / (s * s) for s in seconds]
+    sw = sum(weights)
+    mean_w = sum(w * x for w, x in zip(weights, work, strict=True)) / sw
+    mean_s = sum(w * s for w, s in zip(weights, seconds, strict=True)) / sw
+    var = sum(w * (x - mean_w) ** 2 for w, x in zip(weights, work, strict=True))
+    cov = sum(
+        w * (x - mean_w) * (s - mean_s) for w, x, s in zip(weights, work, seconds, strict=True)
+    )
+    slope = cov / var if var > 0 else mean_s / mean_w
+    if slope <= 0:  # noise swamped the trend: the best single rate observed
+        rate = max(x / s for x, s in zip(work, seconds, strict=True))
+        return rate, 0.0
+    intercept = mean_s - slope * mean_w
+    return 1 / slope, max(0.0, intercept / slope)
+
+
+def _matmul(dtype: torch.dtype, dispatch_s: float) -> tuple[float, float, list[list[float]]]:
+    work, seconds, raw = [], [], []
+    for n in MATMUL_SIZES:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        took = _best_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out))
+        flops = 2.0 * n**3
+        work.append(flops)
+        seconds.append(max(took - dispatch_s, took * 0.1))
+        raw.append([n, took])
+        if took > SLOW_CALL_S and len(work) >= 4:
+            break
+    rate, half = fit_saturating(work, seconds)
+    return rate, half, raw
+
+
+def _bandwidth(dispatch_s: float) -> tuple[float, list[list[float]]]:
+    work, seconds, raw = [], [], []
+    for n in COPY_ELEMENTS:
+        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+        took = _best_seconds(lambda a=a, b=b, c=c: torch.add(a, b, out=c))
+        work.append(3.0 * 4 * n)
+        seconds.append(max(took - dispatch_s, took * 0.1))
+        raw.append([n, took])
+    rate, _ = fit_saturating(work, seconds)
+    return rate, raw
+
+
+def _conv_efficiency(dtype: torch.dtype, peak: float) -> tuple[float, list[list[float]]]:
+    """The share of ``peak`` (the matmul rate) a convolution's forward and backward reach:
+    a 3x3 convolution over 16x16 images, batch 16, growing channels, its FLOPs counted as the
+    step prediction counts them."""
+    work, seconds, raw = [], [], []
+    for channels in CONV_CHANNELS:
+        layer = torch.nn.Conv2d(channels, channels, 3, padding=1).to(dtype)
+        x = torch.randn(16, channels, 16, 16).to(dtype).requires_grad_()
+
+        def step(layer: torch.nn.Module = layer, x: torch.Tensor = x) -> None:
+            layer(x).sum().backward()
+
+        with OpCostCounter() as counter:
+            step()
+        took = _best_seconds(step)
+        work.append(counter.costs.flops)
+        seconds.append(took)
+        raw.append([channels, took])
+        if took > SLOW_CALL_S and len(work) >= 2:
+            break
+    rate, _ = fit_saturating(work, seconds)
+    return min(1.0, rate / peak), raw
+
+
+def _host_overhead() -> tuple[float, int]:
+    """Seconds per dispatched op of a tiny model's training step, and the ops per step."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+    x, y = torch.randn(2, 4), torch.tensor([0, 1])
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    step()
+    with OpCostCounter() as counter:
+        step()
+    ops = len(counter.costs.calls)
+    took = statistics.median(_best_seconds(step) for _ in range(5))
+    return took / ops, ops
+
+
+def measure(threads: int) -> Roofline:
+    """Measure this host's roofline at ``threads`` (module docstring); ~10 s."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            tiny = torch.ones(1, 1)
+            dispatch_s = _best_seconds(lambda: torch.mm(tiny, tiny))
+            peaks, halves, raw = {}, {}, {}
+            for name, dtype in DTYPES.items():
+                peaks[name], halves[name], raw[name] = _matmul(dtype, dispatch_s)
+            bandwidth, raw["add"] = _bandwidth(dispatch_s)
+        conv = {}
+        for name, dtype in DTYPES.items():
+            conv[name], raw[f"conv_{name}"] = _conv_efficiency(dtype, peaks[name])
+        overhead, ops = _host_overhead()
+    finally:
+        torch.set_num_threads(previous)
+    return Roofline(
+        name="cpu",
+        peak_flops=peaks,
+        matmul_efficiency=1.0,
+        matmul_half_flops=halves,
+        bandwidth=bandwidth,
+        conv_efficiency=conv,
+        host_overhead_s=overhead,
+        launch_gap_s=0.0,
+        overlapped=False,
+        source=f"calibrated on {cpu_name()} with {threads} thread(s), torch {torch.__version__}",
+        measured={
+            "threads": threads,
+            "dispatch_s": dispatch_s,
+            "tiny_step_ops": ops,
+            "mm_seconds_by_size": {k: raw[k] for k in DTYPES},
+            "add_seconds_by_elements": raw["add"],
+            "conv_seconds_by_channels": {k: raw[f"conv_{k}"] for k in DTYPES},
+        },
+    )
