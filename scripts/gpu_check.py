@@ -580,6 +580,14 @@ def ratios_text(check: Check, prefix: str = "") -> str:
     return "/".join("-" if r is None else f"{r:.3f}" for r in found)
 
 
+def speed_text(check: Check) -> str:
+    """``0.93/41%``: predicted / measured step time, and the measured MFU."""
+    ratio, mfu = check.metrics.get("step_time_ratio"), check.metrics.get("mfu")
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}/{mfu:.0%}" if mfu is not None else f"{ratio:.2f}/-"
+
+
 def wall_text(check: Check) -> str:
     return "-" if check.wall_s is None else f"{check.wall_s:.1f} s"
 
@@ -593,6 +601,7 @@ COLUMNS = (
     ("pred/meas a/r/d", 17, ratios_text),
     ("cpu-hosted a/r/d", 17, lambda c: ratios_text(c, "cpu_")),
     ("throughput", 16, throughput_text),
+    ("step p/m, MFU", 13, speed_text),
     ("wall", 7, wall_text),
 )
 
@@ -626,6 +635,7 @@ def summary(checks: list[Check], host: dict[str, Any], elapsed: float) -> dict[s
         "prediction_ratio", "reserved_prediction_ratio", "device_prediction_ratio",
         "cpu_predicted_peak_bytes", "cpu_predicted_reserved_bytes",
         "cpu_predicted_device_bytes", "allocated_after_bytes",
+        "step_time_ms_p50", "predicted_step_time_ms", "step_time_ratio", "predicted_mfu", "mfu",
     )  # fmt: skip
     return {
         **host,
