@@ -12,7 +12,7 @@ import torch
 from harness.cli.fit import cell
 from harness.spec import parse_spec, trial_configs
 from harness.trial.estimate import Predictor, estimate_peak
-from harness.trial.prediction import CardFigures, Outcome, Prediction
+from harness.trial.prediction import SPEED_COLUMNS, CardFigures, Outcome, Prediction
 from tests.conftest import BASE_SPEC
 
 CPU = torch.device("cpu")
@@ -38,16 +38,7 @@ CARD_KEYS = [
     "card",
     "note",
 ]
-SPEED_KEYS = [
-    "predicted_step_time_ms",
-    "predicted_throughput",
-    "throughput_unit",
-    "predicted_mfu",
-    "predicted_step_flops",
-    "predicted_model_flops",
-    "speed_device",
-    "speed_unmodelled_ops",
-]
+SPEED_KEYS = list(SPEED_COLUMNS)
 
 
 def through_json(prediction: Prediction) -> Prediction:

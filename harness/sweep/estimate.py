@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from harness.spec import SweepPlan
-from harness.trial.prediction import FAILURES
+from harness.trial.prediction import FAILURES, SPEED_COLUMNS
 
 COLUMNS = [
     "model_size",
@@ -39,14 +39,7 @@ COLUMNS = [
     "korthikanti_activation_bytes",
     "num_params",
     "fits",
-    "predicted_step_time_ms",
-    "predicted_throughput",
-    "throughput_unit",
-    "predicted_mfu",
-    "predicted_step_flops",
-    "predicted_model_flops",
-    "speed_device",
-    "speed_unmodelled_ops",
+    *SPEED_COLUMNS,
     "card",
     "predicted_context_bytes",
     "predicted_nccl_bytes",

@@ -89,6 +89,19 @@ class CardFigures:
         )
 
 
+# The speed figures' names where a prediction is a row (``SpeedFigures.to_dict``'s order).
+SPEED_COLUMNS = (
+    "predicted_step_time_ms",
+    "predicted_throughput",
+    "throughput_unit",
+    "predicted_mfu",
+    "predicted_step_flops",
+    "predicted_model_flops",
+    "speed_device",
+    "speed_unmodelled_ops",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SpeedFigures:
     """How fast one training step is predicted to run (``harness.meters.roofline``): priced on
@@ -104,16 +117,17 @@ class SpeedFigures:
     unmodelled_ops: str  # ops no rule covered, comma-separated ("" when none)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "predicted_step_time_ms": self.step_time_ms,
-            "predicted_throughput": self.throughput,
-            "throughput_unit": self.throughput_unit,
-            "predicted_mfu": self.mfu,
-            "predicted_step_flops": self.step_flops,
-            "predicted_model_flops": self.model_flops,
-            "speed_device": self.device,
-            "speed_unmodelled_ops": self.unmodelled_ops,
-        }
+        values = (
+            self.step_time_ms,
+            self.throughput,
+            self.throughput_unit,
+            self.mfu,
+            self.step_flops,
+            self.model_flops,
+            self.device,
+            self.unmodelled_ops,
+        )
+        return dict(zip(SPEED_COLUMNS, values, strict=True))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeedFigures | None:
