@@ -59,8 +59,11 @@ def link_bandwidth(card: Card) -> float | None:
     return None
 
 
-def card_roofline(card: Card) -> Roofline:
-    """The roofline a step-time prediction for ``card`` uses (module docstring)."""
+def card_roofline(card: Card) -> Roofline | None:
+    """The roofline a step-time prediction for ``card`` uses (module docstring); None for a
+    card (a user's) that gives no peak or no bandwidth: nothing to price ops on."""
+    if not card.peak_tflops or card.bandwidth_tbs <= 0:
+        return None
     measured = card.name in MATMUL_EFFICIENCY
     efficiency = MATMUL_EFFICIENCY.get(card.name, DEFAULT_EFFICIENCY.get(card.vendor, 0.8))
     peaks = {dtype: tflops * 1e12 for dtype, tflops in card.peak_tflops.items()}

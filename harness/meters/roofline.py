@@ -43,6 +43,9 @@ class Roofline:
     # Per dtype: the share of the matmul rate convolutions reach (their own kernels: cuDNN,
     # oneDNN); 1 where not measured.
     conv_efficiency: dict[str, float] = field(default_factory=dict)
+    # Per dtype: FLOPs a convolution call costs on top of its own (set-up per call, too few
+    # tiles), like ``matmul_half_flops``; 0 where not measured.
+    conv_half_flops: dict[str, float] = field(default_factory=dict)
     host_overhead_s: float = 0.0  # per op that launches a kernel: the host's dispatch
     launch_gap_s: float = 0.0  # per kernel on the device (0 on a CPU)
     overlapped: bool = False  # the host runs ahead of the device (a GPU), else the two add
@@ -52,9 +55,12 @@ class Roofline:
 
     def peak(self, dtype: str) -> float:
         """The peak FLOP/s for an op dtype (torch's name) or a trial dtype (fp32, bf16, ...):
-        fp32's for anything without one of its own (integer ops, NF4 codes)."""
+        fp32's for anything without one of its own (integer ops, NF4 codes), else the highest
+        given (a user's card may list one dtype only)."""
         key = _PEAK_KEY.get(dtype, dtype)
-        return self.peak_flops.get(key) or self.peak_flops["fp32"]
+        return (
+            self.peak_flops.get(key) or self.peak_flops.get("fp32") or max(self.peak_flops.values())
+        )
 
     def half(self, dtype: str) -> float:
         """``matmul_half_flops`` for ``dtype`` (fp32's where it has none)."""
@@ -94,9 +100,12 @@ def op_seconds(call: OpCall, roofline: Roofline) -> tuple[float, bool]:
     if call.rule != FLOPS or call.flops <= 0:
         return memory, False
     rate = roofline.peak(call.dtype) * roofline.matmul_efficiency
+    half = roofline.half(call.dtype)
     if call.name in CONVOLUTIONS:
-        rate *= roofline.conv_efficiency.get(_PEAK_KEY.get(call.dtype, call.dtype), 1.0)
-    compute = (call.flops + roofline.half(call.dtype)) / rate
+        key = _PEAK_KEY.get(call.dtype, call.dtype)
+        rate *= roofline.conv_efficiency.get(key, 1.0)
+        half = roofline.conv_half_flops.get(key, half)
+    compute = (call.flops + half) / rate
     return (compute, True) if compute >= memory else (memory, False)
 
 

@@ -9,9 +9,9 @@ count, in about ten seconds:
   curve ``(flops + half) / rate``: the rate is the dtype's peak (calibrated, so its
   efficiency is 1), ``half`` its ``matmul_half_flops``;
 - bandwidth: ``add(a, b, out=c)`` over growing sizes, fitted the same way (bytes / rate);
-- convolutions: a 3x3 convolution's forward and backward over growing channel counts, its
-  rate as a share of the matmul rate (oneDNN's convolutions reach far less of the cores than
-  its matmuls);
+- convolutions: 3x3 convolutions' forward and backward over small images and growing channel
+  counts, fitted the same way: their rate as a share of the matmul rate and their cost per
+  call (oneDNN's convolutions on small images reach far less of the cores than its matmuls);
 - host overhead: a tiny MLP's real training step (forward, backward, SGD) timed over many
   steps, divided by the ops it dispatches: Python, ``nn.Module`` calls, autograd and the
   dispatcher per op, as a trial's step pays them.
@@ -39,9 +39,9 @@ from harness.meters.op_costs import OpCostCounter
 from harness.meters.roofline import Roofline
 from harness.trial.hardware import cpu_name
 
-VERSION = 2  # bump when what is measured changes: old caches are then ignored
+VERSION = 3  # bump when what is measured changes: old caches are then ignored
 MATMUL_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
-CONV_CHANNELS = (8, 16, 32, 64)
+CONV_SHAPES = ((8, 8), (8, 32), (16, 8), (16, 32), (16, 64))  # (image side, channels)
 COPY_ELEMENTS = tuple(2**k for k in range(12, 24, 2))  # 16 KiB .. 32 MiB per fp32 operand
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SLOW_CALL_S = 0.05  # stop growing a benchmark once one call takes this long
@@ -146,14 +146,17 @@ def _bandwidth(dispatch_s: float) -> tuple[float, list[list[float]]]:
     return rate, raw
 
 
-def _conv_efficiency(dtype: torch.dtype, peak: float) -> tuple[float, list[list[float]]]:
-    """The share of ``peak`` (the matmul rate) a convolution's forward and backward reach:
-    a 3x3 convolution over 16x16 images, batch 16, growing channels, its FLOPs counted as the
-    step prediction counts them."""
+def _conv(
+    dtype: torch.dtype, peak: float, overhead_s: float
+) -> tuple[float, float, list[list[float]]]:
+    """The share of ``peak`` (the matmul rate) a convolution's forward and backward reach, and
+    the FLOPs each call costs on top of its own (the saturating fit's ``half``, per call: a
+    step of two kernels): 3x3 convolutions over 8x8 and 16x16 images, batch 16, growing
+    channels, their FLOPs counted as the step prediction counts them."""
     work, seconds, raw = [], [], []
-    for channels in CONV_CHANNELS:
+    for side, channels in CONV_SHAPES:
         layer = torch.nn.Conv2d(channels, channels, 3, padding=1).to(dtype)
-        x = torch.randn(16, channels, 16, 16).to(dtype).requires_grad_()
+        x = torch.randn(16, channels, side, side).to(dtype).requires_grad_()
 
         def step(layer: torch.nn.Module = layer, x: torch.Tensor = x) -> None:
             layer(x).sum().backward()
@@ -162,12 +165,13 @@ def _conv_efficiency(dtype: torch.dtype, peak: float) -> tuple[float, list[list[
             step()
         took = _best_seconds(step)
         work.append(counter.costs.flops)
-        seconds.append(took)
-        raw.append([channels, took])
-        if took > SLOW_CALL_S and len(work) >= 2:
+        # less the dispatches the step model charges every op apart (``overhead_s``)
+        seconds.append(max(took - len(counter.costs.calls) * overhead_s, took * 0.1))
+        raw.append([side, channels, took])
+        if took > SLOW_CALL_S and len(work) >= 3:
             break
-    rate, _ = fit_saturating(work, seconds)
-    return min(1.0, rate / peak), raw
+    rate, half = fit_saturating(work, seconds)
+    return min(1.0, rate / peak), half / 2, raw
 
 
 def _host_overhead() -> tuple[float, int]:
@@ -201,10 +205,10 @@ def measure(threads: int) -> Roofline:
             for name, dtype in DTYPES.items():
                 peaks[name], halves[name], raw[name] = _matmul(dtype, dispatch_s)
             bandwidth, raw["add"] = _bandwidth(dispatch_s)
-        conv = {}
-        for name, dtype in DTYPES.items():
-            conv[name], raw[f"conv_{name}"] = _conv_efficiency(dtype, peaks[name])
         overhead, ops = _host_overhead()
+        conv, conv_half = {}, {}
+        for name, dtype in DTYPES.items():
+            conv[name], conv_half[name], raw[f"conv_{name}"] = _conv(dtype, peaks[name], overhead)
     finally:
         torch.set_num_threads(previous)
     return Roofline(
@@ -214,6 +218,7 @@ def measure(threads: int) -> Roofline:
         matmul_half_flops=halves,
         bandwidth=bandwidth,
         conv_efficiency=conv,
+        conv_half_flops=conv_half,
         host_overhead_s=overhead,
         launch_gap_s=0.0,
         overlapped=False,
@@ -224,6 +229,6 @@ def measure(threads: int) -> Roofline:
             "tiny_step_ops": ops,
             "mm_seconds_by_size": {k: raw[k] for k in DTYPES},
             "add_seconds_by_elements": raw["add"],
-            "conv_seconds_by_channels": {k: raw[f"conv_{k}"] for k in DTYPES},
+            "conv_seconds_by_side_and_channels": {k: raw[f"conv_{k}"] for k in DTYPES},
         },
     )

@@ -126,7 +126,7 @@ class Predictor:
         )
         # Whose speed the step is priced on: the card's, or this CPU's (calibrated once here,
         # outside the fake world the window runs in).
-        self.roofline: Roofline = (
+        self.roofline: Roofline | None = (
             card_roofline(self.target.card) if self.target is not None else cpu_roofline()
         )
         self.log: AllocationLog | None = None  # CUDA targets: every allocation, in order
@@ -231,11 +231,13 @@ class Predictor:
         )
         history = self.history() if self.log is not None else []
         start = len(self.log.events) if self.log is not None else 0
-        run = staged[: self.steps_run]
-        with window, OpCostCounter() as counter:
-            for staged_batch in run:
-                setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
-        counter.costs.steps = len(run)
+        # The window's first step is priced: after the warm-up every step runs the same ops,
+        # so a one-step window (the fit search's) prices exactly what a full one does.
+        counter = OpCostCounter()
+        with window:
+            for index, staged_batch in enumerate(staged[: self.steps_run]):
+                with counter if index == 0 else contextlib.nullcontext():
+                    setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
         speed = self.speed(counter, setup, config)
         # This rank's parameters (frozen ones too) + a gradient for each trainable one + the
         # optimizer's persistent state.
@@ -288,9 +290,14 @@ class Predictor:
             replay=replay,
         )
 
-    def speed(self, counter: OpCostCounter, setup: Setup, config: TrialConfig) -> SpeedFigures:
+    def speed(
+        self, counter: OpCostCounter, setup: Setup, config: TrialConfig
+    ) -> SpeedFigures | None:
         """The window's ops priced on the roofline: one step's time, the trial's throughput
-        (every rank's samples), and MFU at the trial's dtype."""
+        (every rank's samples), and MFU at the trial's dtype; None for a card whose catalogue
+        entry gives no peak or bandwidth to price them on."""
+        if self.roofline is None:
+            return None
         timed = step_time(counter.costs, self.roofline)
         unmodelled = list(timed.unmodelled)
         if timed.collectives_unpriced:

@@ -131,7 +131,9 @@ class SpeedFigures:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeedFigures | None:
-        if _absent(data.get("predicted_step_time_ms")):
+        """The figures of a row that has them all (a fit answer keeps only its predicted_
+        figures: none then)."""
+        if any(_absent(data.get(key)) for key in SPEED_COLUMNS[:-1]):
             return None
         return cls(
             step_time_ms=data["predicted_step_time_ms"],
