@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
-from harness.cuda.cards import find_card
+from harness.cuda.cards import card_from_mapping, find_card
 from harness.cuda.speed import MATMUL_EFFICIENCY, card_roofline, link_bandwidth
 from harness.meters.op_costs import (
     FLOPS,
@@ -135,6 +135,17 @@ def test_a_card_roofline_takes_the_measured_matmul_efficiency_and_its_link():
     assert link_bandwidth(find_card("h100-80gb")) == 450e9  # NVLink's 900 GB/s, one way
     assert link_bandwidth(find_card("rtx-4090")) == 32e9  # PCIe Gen4 x16
     assert card_roofline(find_card("rtx-4090")).matmul_efficiency == 0.80  # assumed
+
+
+def test_a_user_card_without_peaks_or_bandwidth_gets_no_roofline():
+    bare = card_from_mapping(
+        "mine", {"memory": "8GiB", "compute_capability": "8.6", "sms": 10}, "c"
+    )
+    assert card_roofline(bare) is None  # nothing to price ops on: no step time, no crash
+    one_dtype = {"memory": "8GiB", "compute_capability": "8.6", "sms": 10}
+    one_dtype |= {"peak_tflops": {"bf16": 100}, "bandwidth_tbs": 1.0}
+    line = card_roofline(card_from_mapping("mine", one_dtype, "c"))
+    assert line is not None and line.peak("float32") == 100e12  # the one peak it gives
 
 
 def test_the_saturating_fit_recovers_rate_and_half_size():
