@@ -181,6 +181,16 @@ class Kernels:
     def __init__(self, capability: tuple[int, int], cudnn_version: int | None) -> None:
         self.capability, self.cudnn_version = capability, cudnn_version
         self.backends: collections.Counter[str] = collections.Counter()
+        self.choices: dict[AttentionCall, str] = {}  # each distinct call, the backend it got
+
+    def chooses_alike(self, capability: tuple[int, int]) -> bool:
+        """Whether a card of ``capability`` would have run every attention call seen so far on
+        the same backend: then the step it ran is that card's step too (attention is the only
+        kernel choice that depends on the card), and one trace serves both."""
+        return all(
+            choose_backend(call, capability, self.cudnn_version) == backend
+            for call, backend in self.choices.items()
+        )
 
     def attention(
         self,
@@ -212,6 +222,7 @@ class Kernels:
         )
         backend = choose_backend(call, self.capability, self.cudnn_version)
         self.backends[backend] += 1
+        self.choices[call] = backend
         if backend == "cudnn":
             mask = _additive(attn_mask, query.dtype, fill=-65504.0)
             return aten._scaled_dot_product_cudnn_attention(
@@ -320,6 +331,7 @@ class Workspaces:
     def __init__(self, card: Card) -> None:
         self.cublas = card.cublas_workspace_bytes
         self.seen: set[tuple[bool, str]] = set()
+        self.kinds: list[str] = []  # cublas | cublaslt, in the order the sizes were given
         self.total = 0
 
     def __call__(self, func: object) -> list[int]:
@@ -331,8 +343,10 @@ class Workspaces:
         if (backward, "cublas") not in self.seen:
             self.seen.add((backward, "cublas"))
             sizes.append(self.cublas)
+            self.kinds.append("cublas")
         if name == "addmm" and (backward, "cublaslt") not in self.seen:
             self.seen.add((backward, "cublaslt"))
             sizes.append(CUBLASLT_WORKSPACE)
+            self.kinds.append("cublaslt")
         self.total += sum(sizes)
         return sizes

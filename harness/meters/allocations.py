@@ -45,6 +45,7 @@ class AllocationLog(TorchDispatchMode):
         self.device_type = device_type
         self.on_op = on_op
         self.events: list[Event] = []
+        self.untracked: list[int] = []  # ids of the allocations no tensor shows, in order
         self.live: dict[int, tuple[int, int]] = {}  # storage key -> (allocation id, bytes)
         self._ids = itertools.count()
         self._refs: dict[int, weakref.ref[Any]] = {}
@@ -80,7 +81,9 @@ class AllocationLog(TorchDispatchMode):
 
     def allocate(self, nbytes: int) -> None:
         """An allocation no tensor shows (a library workspace), never freed."""
-        self.events.append((next(self._ids), nbytes))
+        ident = next(self._ids)
+        self.untracked.append(ident)
+        self.events.append((ident, nbytes))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.on_op is not None and active_fake_mode() is self._fake_mode_on_entry:

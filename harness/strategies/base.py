@@ -66,6 +66,11 @@ class Strategy:
     def environment(self) -> dict[str, str]:
         return {}
 
+    def load_libraries(self) -> None:
+        """Import the libraries ``prepare_model`` imports, ahead of it: the estimator calls this
+        before it enters its fake world, where tensors a library makes at import time (peft's
+        default arguments) would be counted as the step's."""
+
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         return model
 

@@ -25,6 +25,7 @@ large tensors on the meta device, then made fake (``harness.trial.fake``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any
@@ -92,6 +93,12 @@ def target_names(model: nn.Module, targets: list[str] | None) -> list[str]:
 class Lora(Strategy):
     name = "lora"
     quantized = False  # qlora: the blocks' frozen Linear weights in NF4
+
+    def load_libraries(self) -> None:
+        import_peft()
+        if self.quantized:
+            with contextlib.suppress(ImportError):  # quantize_blocks says what is missing
+                import torchao.quantization  # noqa: F401
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         peft = import_peft()

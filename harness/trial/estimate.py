@@ -17,21 +17,24 @@ predicted eagerly, which is also what the memory window measures.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.contract import OPTIMIZER_STATE_BYTES
+from harness.cuda.cards import Card
 from harness.cuda.device_memory import FREE, DeviceMemory, Replayable
 from harness.cuda.kernels import Workspaces
 from harness.cuda.speed import card_roofline
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.allocations import AllocationLog
 from harness.meters.memory import MemoryWindow
-from harness.meters.op_costs import OpCostCounter
+from harness.meters.op_costs import OpCostCounter, StepCosts
 from harness.meters.roofline import Roofline, step_time
 from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
 from harness.strategies.base import Strategy, StrategyError
@@ -76,6 +79,26 @@ def estimate_peak(
         return predictor.predict(config.batch_size)
 
 
+@dataclass(frozen=True)
+class WindowTrace:
+    """What one memory window ran, before any device's figures are drawn from it: the same
+    trace gives every card that runs the same step its prediction (``Predictor.on_card``)."""
+
+    config: TrialConfig
+    samples: int  # per step, every rank's
+    throughput_unit: str
+    costs: StepCosts
+    peak: float  # by tensor accounting
+    breakdown: dict[str, float]
+    history: list[tuple[int, int]]  # allocation events before the window (CUDA targets)
+    events: list[tuple[int, int]]  # the window's
+    num_params: float
+    num_params_total: float
+    num_params_nf4: float
+    model_state: float
+    totals: Any
+
+
 class Predictor:
     """One configuration built once on fake tensors, then predicted at any batch size.
 
@@ -112,6 +135,7 @@ class Predictor:
         steps_run: int | None = None,
         totals: bool = False,
         strategies: tuple[Strategy, ...] | None = None,
+        rewarm: bool = False,
     ) -> None:
         self.config, self.device, self.as_cuda = config, device, as_cuda
         self.steps_run, self.totals = steps_run, totals
@@ -135,6 +159,12 @@ class Predictor:
         self.history_end = 0  # events before the first window (parameters, warm-up step)
         self.history_live: set[int] = set()  # allocations alive then
         self.tracked_peak = 0.0  # the last window's peak by tensor accounting alone
+        self.trace: WindowTrace | None = None  # the last window's
+        self.rewarm = rewarm
+        self.built_end = 0  # events of the build: the parameters, the emptied cache
+        self.built_live: set[int] = set()  # allocations alive then
+        self.warm_start = 0  # where the last warm-up's events begin
+        self.warmed_at: int | None = None  # the batch size of the last warm-up
 
     def __enter__(self) -> Predictor:
         return self
@@ -161,6 +191,8 @@ class Predictor:
             self.info = describe_dataset(
                 config.dataset, config.dataset_options, config.python_path, config.seed
             )
+            for strategy in self.strategies:  # before the fake world (Strategy.load_libraries)
+                strategy.load_libraries()
             if self.as_cuda:
                 stack.enter_context(cuda_accounting())
             stack.enter_context(fake_process_group(ranks))
@@ -175,11 +207,9 @@ class Predictor:
             if self.log is not None:  # the trial empties the cache after building (run.py),
                 self.log.empty_cache()  # then the parameters as .to("cuda") placed them
                 self.log.register([*setup.model.parameters(), *setup.model.buffers()])
-            # One warm-up step: the optimizer state now exists.
-            setup.train_step(setup.to_device(self.info.example_batch(config.batch_size)))
-            if self.log is not None:
-                self.history_end = len(self.log.events)
-                self.history_live = set(self.log.live_ids())
+                self.built_end = len(self.log.events)
+                self.built_live = set(self.log.live_ids())
+            self.warm(setup, config.batch_size)
         except StrategyError as error:  # the trial cannot run either: it ends before training
             stack.close()
             self.failure = Prediction.refused(str(error))
@@ -193,6 +223,34 @@ class Predictor:
             raise
         self.stack, self.setup = stack, setup
 
+    def warm(self, setup: Setup, batch_size: int) -> None:
+        """One warm-up step at ``batch_size``: the optimizer state now exists."""
+        if self.log is not None:
+            self.warm_start = len(self.log.events)
+        setup.train_step(setup.to_device(self.info.example_batch(batch_size)))
+        self.warmed_at = batch_size
+        if self.log is not None:
+            self.history_end = len(self.log.events)
+            self.history_live = set(self.log.live_ids())
+
+    def rewarmed(self, batch_size: int) -> bool:
+        """Back to the state the build left (no gradients, no optimizer state), then warmed up
+        at ``batch_size``: what the caching allocator saw is then a fresh process's (the build's
+        events, then this warm-up's), without building the model again. False, and nothing
+        run, when the state did not go back (something a step made is still alive)."""
+        assert self.setup is not None and self.log is not None and self.workspaces is not None
+        optimizer = self.setup.optimizer
+        optimizer.zero_grad(set_to_none=True)
+        for parameter in self.setup.model.parameters():
+            parameter.grad = None
+        optimizer.state.clear()
+        gc.collect()  # a reference cycle may hold the last step's tensors
+        if set(self.log.live_ids()) - set(self.log.untracked) != self.built_live:
+            return False
+        self.workspaces.seen.clear()  # a fresh process allocates them in its first step
+        self.warm(self.setup, batch_size)
+        return True
+
     def predict(self, batch_size: int) -> Prediction:
         """The prediction at ``batch_size`` (see ``estimate_peak``)."""
         if self.setup is None and self.failure is None:
@@ -200,6 +258,16 @@ class Predictor:
         if self.failure is not None:
             return self.failure
         assert self.setup is not None
+        if self.rewarm and self.log is not None and batch_size != self.warmed_at:
+            try:
+                rewarmed = self.rewarmed(batch_size)
+            except FAKE_REFUSALS as error:
+                self.close()
+                return Prediction.unpredictable(one_line(error))
+            if not rewarmed:  # something of the last warm-up outlived it: build afresh
+                self.close()
+                self.config = replace(self.config, batch_size=batch_size)
+                return self.predict(batch_size)
         config = replace(self.config, batch_size=batch_size)
         setup = replace(
             self.setup,
@@ -216,7 +284,27 @@ class Predictor:
             raise
         return prediction
 
+    def predict_on(
+        self, batch_size: int, cards: Sequence[Card], budgets: Mapping[str, int | None]
+    ) -> dict[str, Prediction]:
+        """The prediction at ``batch_size`` for each of ``cards`` that runs the target's step
+        (``shares_trace``; the target's own card always does), all from one window, each
+        judged against its budget (``budgets``: bytes by card name; None: the card's memory):
+        a card left out needs a predictor of its own. A failure (refused, unpredictable) is
+        every card's: nothing in it depends on the card."""
+        prediction = self.predict(batch_size)
+        if not prediction.ok:
+            return {card.name: prediction for card in cards}
+        own = self.target_card().name
+        return {
+            card.name: prediction if card.name == own else self.on_card(card, budgets[card.name])
+            for card in cards
+            if card.name == own or self.shares_trace(card)
+        }
+
     def window(self, setup: Setup, config: TrialConfig) -> Prediction:
+        """Run the memory window's steps at ``config``'s batch size and predict them for the
+        target (the trace is kept for ``on_card``)."""
         staged = [
             setup.to_device(self.info.example_batch(config.batch_size))
             for _ in range(config.memory_steps)
@@ -238,78 +326,142 @@ class Predictor:
             for index, staged_batch in enumerate(staged[: self.steps_run]):
                 with counter if index == 0 else contextlib.nullcontext():
                     setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
-        speed = self.speed(counter, setup, config)
         # This rank's parameters (frozen ones too) + a gradient for each trainable one + the
         # optimizer's persistent state.
         parameters = list(setup.model.parameters())
-        model_state = (
-            storage_bytes(parameters)
-            + storage_bytes(p for p in parameters if p.requires_grad)
-            + optimizer_state_bytes(setup.optimizer)
-        )
         assert window.reading is not None
         reading = window.reading.metrics()
-        peak = reading["peak_allocated_bytes"]
-        breakdown = {c: reading[breakdown_metric(c)] for c in BREAKDOWN_CATEGORIES}
+        self.trace = WindowTrace(
+            config=config,
+            samples=setup.samples_per_step * setup.ranks.size,
+            throughput_unit=setup.info.get("throughput_unit", "samples/s"),
+            costs=counter.costs,
+            peak=reading["peak_allocated_bytes"],
+            breakdown={c: reading[breakdown_metric(c)] for c in BREAKDOWN_CATEGORIES},
+            history=history,
+            events=self.log.events[start:] if self.log is not None else [],
+            num_params=float(setup.num_params),
+            num_params_total=float(setup.num_params_total),
+            num_params_nf4=float(sum(p.numel() for p in parameters if is_nf4(p))),
+            model_state=(
+                storage_bytes(parameters)
+                + storage_bytes(p for p in parameters if p.requires_grad)
+                + optimizer_state_bytes(setup.optimizer)
+            ),
+            totals=window.totals_tracker.totals if window.totals_tracker is not None else None,
+        )
+        budget = self.target.budget(config) if self.target is not None else None
+        return self.figures(self.trace, self.target, self.roofline, budget)
+
+    def figures(
+        self,
+        trace: WindowTrace,
+        target: CudaTarget | None,
+        roofline: Roofline | None,
+        budget: int | None,
+    ) -> Prediction:
+        """``trace`` predicted for ``target`` (None: the CPU) and its ``budget`` (bytes),
+        priced on ``roofline``."""
+        config = trace.config
+        peak, breakdown = trace.peak, dict(trace.breakdown)
         on_card, replay = None, None
-        if self.log is not None and self.target is not None:
-            window_events = self.log.events[start:]
+        if self.log is not None and target is not None:
+            history, events = trace.history, trace.events
+            if target.card.cublas_workspace_bytes != self.target_card().cublas_workspace_bytes:
+                history, events = (
+                    self.rebased(history, target.card),
+                    self.rebased(events, target.card),
+                )
             replayable = Replayable(
-                history, window_events, self.target.allocator, self.target.card, config.world_size
+                history, events, target.allocator, target.card, config.world_size
             )
             # A fit search judges each of its budgets itself (``replay``): unbounded here.
-            memory = replayable.device_memory(None if self.totals else self.target.budget(config))
+            memory = replayable.device_memory(None if self.totals else budget)
             # max_memory_allocated counts blocks as the allocator hands them out: with the
             # cuBLAS workspaces it serves and the remainders too small to split off, which
             # tensor accounting does not see; they count as "other", as a measurement's do.
-            self.tracked_peak = peak
+            self.tracked_peak = trace.peak
             peak = float(memory.allocated)
-            breakdown["other"] += memory.allocated - self.tracked_peak
+            breakdown["other"] += memory.allocated - trace.peak
             on_card = CardFigures(
                 reserved_bytes=float(memory.reserved),
                 device_bytes=float(memory.device),
                 context_bytes=float(memory.context),
                 nccl_bytes=float(memory.nccl),
                 fragmentation_bytes=float(memory.fragmentation),
-                card=self.target.card.name,
-                note=target_note(self.target, self.kernels),
-                tracked_peak_bytes=self.tracked_peak,  # what fit's moments model
+                card=target.card.name,
+                note=target_note(target, self.kernels),
+                tracked_peak_bytes=trace.peak,  # what fit's moments model
             )
             if self.totals:
                 replay = replayable
         return Prediction(
             peak_bytes=peak,
             breakdown=breakdown,
-            num_params=float(setup.num_params),
-            num_params_total=float(setup.num_params_total),
-            num_params_nf4=float(sum(p.numel() for p in parameters if is_nf4(p))),
-            model_state_bytes=model_state,
-            totals=window.totals_tracker.totals if window.totals_tracker is not None else None,
+            num_params=trace.num_params,
+            num_params_total=trace.num_params_total,
+            num_params_nf4=trace.num_params_nf4,
+            model_state_bytes=trace.model_state,
+            totals=trace.totals,
             on_card=on_card,
-            speed=speed,
+            speed=self.speed(trace, roofline),
             replay=replay,
         )
 
-    def speed(
-        self, counter: OpCostCounter, setup: Setup, config: TrialConfig
-    ) -> SpeedFigures | None:
-        """The window's ops priced on the roofline: one step's time, the trial's throughput
+    def target_card(self) -> Card:
+        assert self.target is not None
+        return self.target.card
+
+    def shares_trace(self, card: Card) -> bool:
+        """Whether the step traced for the target is ``card``'s step too, so ``on_card`` may
+        predict it from the same trace: a CUDA target, the same vendor, and every attention
+        call on the backend ``card`` would choose (on a real GPU, whose own kernels ran: the
+        same compute capability). The cuBLAS workspace, the other card-dependent allocation,
+        is resized in the replay."""
+        if self.target is None or card.vendor != self.target.card.vendor:
+            return False
+        if self.kernels is None:
+            return card.compute_capability == self.target.card.compute_capability
+        return bool(self.kernels.chooses_alike(card.compute_capability))
+
+    def on_card(self, card: Card, budget: int | None = None) -> Prediction:
+        """The last window's prediction for ``card`` (``shares_trace`` holds) under ``budget``
+        (bytes; None: the card's memory): its memory, context and roofline, nothing run
+        again."""
+        assert self.trace is not None and self.target is not None
+        target = replace(self.target, card=card, card_named=True)
+        budget = budget or card.memory_bytes
+        return self.figures(self.trace, target, card_roofline(card), budget)
+
+    def rebased(self, events: list[tuple[int, int]], card: Card) -> list[tuple[int, int]]:
+        """``events`` with each cuBLAS workspace at ``card``'s size."""
+        assert self.log is not None and self.workspaces is not None
+        cublas = {
+            ident
+            for ident, kind in zip(self.log.untracked, self.workspaces.kinds, strict=False)
+            if kind == "cublas"
+        }
+        size = card.cublas_workspace_bytes
+        return [(ident, size if ident in cublas and n >= 0 else n) for ident, n in events]
+
+    def speed(self, trace: WindowTrace, roofline: Roofline | None) -> SpeedFigures | None:
+        """The window's ops priced on ``roofline``: one step's time, the trial's throughput
         (every rank's samples), and MFU at the trial's dtype; None for a card whose catalogue
         entry gives no peak or bandwidth to price them on."""
-        if self.roofline is None:
+        if roofline is None:
             return None
-        timed = step_time(counter.costs, self.roofline)
+        timed = step_time(trace.costs, roofline)
         unmodelled = list(timed.unmodelled)
         if timed.collectives_unpriced:
             unmodelled.insert(0, "collectives (no link bandwidth)")
         return SpeedFigures(
             step_time_ms=timed.seconds * 1000,
-            throughput=setup.samples_per_step * setup.ranks.size / timed.seconds,
-            throughput_unit=setup.info.get("throughput_unit", "samples/s"),
-            mfu=timed.mfu(self.roofline, config.dtype),
+            throughput=trace.samples / timed.seconds,
+            throughput_unit=trace.throughput_unit,
+            mfu=timed.mfu(roofline, trace.config.dtype),
             step_flops=timed.flops,
             model_flops=timed.model_flops,
-            device=self.roofline.name,
+            device=roofline.name,
             unmodelled_ops=", ".join(unmodelled),
         )
 
@@ -318,7 +470,10 @@ class Predictor:
         then (after earlier windows of other batch sizes) the change of what is alive since,
         as frees and allocations: the state a fresh process would enter the window in."""
         assert self.log is not None
-        events = self.log.events[: self.history_end]
+        events = [
+            *self.log.events[: self.built_end],
+            *self.log.events[self.warm_start : self.history_end],
+        ]
         live = self.log.live
         now = {ident: size for ident, size in live.values()}
         gone = [(ident, FREE) for ident in sorted(self.history_live - now.keys())]
