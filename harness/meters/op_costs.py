@@ -98,7 +98,7 @@ class OpCall:
     rule: str  # FLOPS, MEMORY, FREE, COLLECTIVE, NO_RULE
     dtype: str  # of its first floating-point input (else its first tensor): the peak it runs at
     flops: float
-    bytes: float  # read + written
+    bytes: float  # read + written; a collective's: what one rank sends (collective_traffic)
     recompute: bool  # a forward op run again in the backward (checkpointing)
 
 
@@ -159,6 +159,24 @@ def rule_of(func: torch._ops.OpOverload) -> str:
     return NO_RULE
 
 
+def collective_traffic(name: str, read: float, written: float, ranks: int) -> float:
+    """Bytes one rank sends over its link for a collective, as ring algorithms move them (NCCL's
+    and gloo's for large messages): an all-reduce 2(N-1)/N of the tensor, an all-gather
+    (N-1)/N of its output, a reduce-scatter (N-1)/N of its input, N the ranks (the default
+    group's); waiting on one moves nothing; any other (broadcast, send) its input."""
+    share = (ranks - 1) / ranks
+    flat = name.replace("_", "")
+    if "wait" in flat:
+        return 0.0
+    if "allreduce" in flat:
+        return 2 * share * read
+    if "allgather" in flat:
+        return share * written
+    if "reducescatter" in flat:
+        return share * read
+    return read
+
+
 def _compute_dtype(tensors: list[torch.Tensor]) -> str:
     for tensor in tensors:
         if tensor.is_floating_point():
@@ -179,6 +197,8 @@ class OpCostCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.costs = StepCosts()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.ranks = torch.distributed.get_world_size() if distributed else 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -191,13 +211,19 @@ class OpCostCounter(TorchDispatchMode):
         flops = 0.0
         if rule == FLOPS:
             flops = float(_FORMULAS[func.overloadpacket](*args, **kwargs, out_val=out))
+        name = func.overloadpacket.__name__
+        moved = (
+            collective_traffic(name, _nbytes(inputs), _nbytes(outputs), self.ranks)
+            if rule == COLLECTIVE
+            else _nbytes(inputs) + _nbytes(outputs)
+        )
         self.costs.calls.append(
             OpCall(
-                name=func.overloadpacket.__name__,
+                name=name,
                 rule=rule,
                 dtype=_compute_dtype(inputs or outputs),
                 flops=flops,
-                bytes=_nbytes(inputs) + _nbytes(outputs),
+                bytes=moved,
                 recompute=_recomputing(),
             )
         )

@@ -11,8 +11,9 @@ also costs the host its dispatch (``host_overhead_s``: Python, the dispatcher, t
   kernels (plus ``launch_gap_s`` between consecutive kernels) and the host's dispatches.
 - On a CPU the host is the device: the two add up.
 
-Communication between ranks is priced on ``link_bandwidth`` with no overlap, or named as not
-modelled when the device has none. What the model ignores: kernel fusion (``compile``), data
+Communication between ranks is priced on ``link_bandwidth`` (the bytes one rank sends, as ring
+algorithms move them: ``op_costs.collective_traffic``); on a card it overlaps the kernels but for
+the longest collective, on a CPU it adds; named as not modelled where the device has no link. What the model ignores: kernel fusion (``compile``), data
 loading (a trial's batches are staged before the timed window), caches on a CPU beyond the
 calibrated curve, clock boost and throttling, stragglers.
 """
@@ -83,7 +84,7 @@ class StepTime:
     device_s: float  # the kernels (compute- or memory-bound, whichever is longer per op)
     host_s: float  # the host's dispatches
     compute_bound_s: float  # the share of device_s of ops priced by their FLOPs
-    collective_s: float
+    collective_s: float  # all of it; what shows in ``seconds`` is the part not overlapped
     flops: float  # per step, recomputation included
     model_flops: float  # per step, without recomputation
     unmodelled: tuple[str, ...]  # ops no rule covered (priced as memory traffic)
@@ -111,14 +112,16 @@ def op_seconds(call: OpCall, roofline: Roofline) -> tuple[float, bool]:
 
 def step_time(costs: StepCosts, roofline: Roofline) -> StepTime:
     """The predicted time of one step of ``costs`` on ``roofline`` (module docstring)."""
-    device = compute_bound = collective = 0.0
+    device = compute_bound = collective = longest = 0.0
     kernels = 0
     unpriced = False
     for call in costs.calls:
         if call.rule == COLLECTIVE:
             if roofline.link_bandwidth:
-                collective += call.bytes / roofline.link_bandwidth
-            else:
+                seconds = call.bytes / roofline.link_bandwidth
+                collective += seconds
+                longest = max(longest, seconds)
+            elif call.bytes:
                 unpriced = True
             continue
         seconds, by_flops = op_seconds(call, roofline)
@@ -129,7 +132,12 @@ def step_time(costs: StepCosts, roofline: Roofline) -> StepTime:
     device = (device + kernels * roofline.launch_gap_s) / steps
     host = kernels * roofline.host_overhead_s / steps
     collective /= steps
-    total = (max(device, host) if roofline.overlapped else device + host) + collective
+    # On a card, collectives run on their own stream beside the compute (DDP's buckets during
+    # the backward, FSDP's prefetched all-gathers and its reduce-scatters): only what the
+    # kernels cannot hide shows, and never less than the longest one (the last bucket, the
+    # first all-gather, which nothing runs beside). On a CPU they take the cores' time.
+    exposed = max(longest / steps, collective - device) if roofline.overlapped else collective
+    total = (max(device, host) if roofline.overlapped else device + host) + exposed
     return StepTime(
         seconds=total,
         device_s=device,
