@@ -8,7 +8,7 @@ from harness.cli.cards import cards
 from harness.cli.common import SpecAwareGroup
 from harness.cli.decide import pareto, recommend, report, timeline
 from harness.cli.fit import fit
-from harness.cli.plan import estimate, validate
+from harness.cli.plan import estimate, plan, validate
 from harness.cli.replay import replay
 from harness.cli.results import results
 from harness.cli.run import sweep, worker
@@ -24,6 +24,7 @@ def main() -> None:
 for command in (
     validate,
     estimate,
+    plan,
     fit,
     cards,
     replay,

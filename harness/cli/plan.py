@@ -211,3 +211,185 @@ def estimate_cell(column: str, value: Any, row: Any = None) -> str:
     if column == "fits" and not is_missing(value):
         return "yes" if value else "NO"
     return cell(column, value, row)  # the one rule of every table: bytes, counts, ...
+
+
+@click.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--card",
+    "cards",
+    default=None,
+    help="Cards to plan on, comma-separated (`harness cards` lists them; `cpu` is this host); "
+    "default: the spec's card, else this host's GPU or CPU.",
+)
+@click.option(
+    "--cards",
+    "cards_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A YAML file of your own cards (see docs/cards.md).",
+)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cards per configuration: every data-parallel strategy (ddp:N, fsdp:N) runs on this "
+    "many, and a configuration without one is planned as ddp over them (throughput counts "
+    "every card; memory is per card).",
+)
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="Predict every point on every card; by default a configuration's batch sizes above "
+    "one that already exceeds a card are not predicted on it (they cannot fit).",
+)
+@format_option
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the front is drawn (PNG + HTML); default results/plan/EXPERIMENT.",
+)
+def plan(
+    spec_path: Path,
+    cards: str | None,
+    cards_file: Path | None,
+    gpus: int | None,
+    every: bool,
+    fmt: str,
+    out_dir: Path | None,
+) -> None:
+    """Which configurations fit each card, ranked by predicted throughput, nothing run.
+
+    Every grid point (every `max` batch resolved per card) is predicted on each card as
+    `harness estimate` predicts it: fits (judged on the device figure), peak, step time,
+    throughput, MFU. The fitting points are ranked per card, the memory-vs-throughput front is
+    drawn (PNG + HTML), and one line per card says what the runner-up trades."""
+    from harness.analyse.plan_front import front_html, front_png
+    from harness.spec import SpecError
+    from harness.sweep.card_plan import known_cards, plan_grid, trade_line, with_gpus
+    from harness.sweep.estimate import EstimateError
+
+    spec = load_spec(spec_path)
+    names = [c.strip().lower() for c in cards.split(",") if c.strip()] if cards else []
+    if not names:
+        names = [spec.card.lower()] if spec.card else [default_card(spec)]
+    unknown = [n for n in names if n not in known_cards() and not cards_file]
+    if unknown:
+        raise click.BadParameter(
+            f"unknown card {', '.join(map(repr, unknown))} (known: {', '.join(known_cards())}; "
+            "or add your own with --cards FILE)",
+            param_hint="--card",
+        )
+    try:
+        if gpus is not None:
+            spec = with_gpus(spec, gpus)
+        frame = plan_grid(spec, names, str(cards_file) if cards_file else None, every)
+    except SpecError as error:
+        raise click.ClickException(str(error)) from None
+    except EstimateError as error:
+        raise click.ClickException(str(error)) from None
+    if fmt != "table":
+        emit(frame, fmt, lambda: None)
+        return
+    out = out_dir or Path("results") / "plan" / spec.experiment
+    title = f"{spec.experiment}: predicted memory and throughput on {', '.join(names)}"
+    show_plan(frame, spec, names)
+    png = front_png(frame, out / "front.png", title)
+    html = front_html(frame, out / "front.html", title)
+    for name in names:
+        click.echo(trade_line(frame, name))
+    click.echo(f"front: {png} and {html}")
+
+
+PLAN_TABLE = {
+    "rank": "rank",
+    "model_size": "size",
+    "batch_size": "batch",
+    "dtype": "dtype",
+    "strategy": "strategy",
+    "predicted_peak_bytes": "allocated",
+    "predicted_device_bytes": "device",
+    "fits": "fits",
+    "predicted_step_time_ms": "step",
+    "predicted_throughput": "throughput",
+    "predicted_mfu": "MFU",
+}
+
+
+def show_plan(frame: Any, spec: Any, cards: list[str]) -> None:
+    """One table per card: the points that fit, fastest first, then the rest."""
+    from rich import box
+
+    from harness.cli.common import is_missing, make_console, print_table
+
+    console = make_console()
+    fixed = [c for c in ("model_size", "dtype") if frame[c].nunique() == 1]
+    columns = [c for c in PLAN_TABLE if c in frame.columns and c not in fixed]
+    for card in cards:
+        rows = frame[frame["card"].eq(card)]
+        if rows.empty:
+            continue
+        budget = rows["budget_bytes"].iloc[0]
+        within = "" if is_missing(budget) else f" within {format_bytes(budget, short=True)}"
+        cells = []
+        reasons: list[str] = []
+        for _, row in rows.iterrows():
+            line = [plan_cell(column, row[column], row) for column in columns]
+            skipped = row.get("skipped")
+            reason = skipped if isinstance(skipped, str) else None
+            if reason is None:
+                prediction = Prediction.from_dict(row)
+                reason = None if prediction.ok else f"not predicted: {prediction.reason}"
+            if reason is not None:
+                reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {reason}")
+                line[columns.index("strategy")] += f" [{len(reasons)}]"
+            cells.append(line)
+        shared = ", ".join(f"{PLAN_TABLE[c]} {frame[c].iloc[0]}" for c in fixed)
+        print_table(
+            console,
+            [PLAN_TABLE[c] for c in columns],
+            [c not in ("model_size", "dtype", "strategy") for c in columns],
+            cells,
+            "--format csv or json shows every column",
+            [columns.index(c) for c in ("predicted_mfu", "predicted_peak_bytes") if c in columns],
+            title=f"{card}: {len(rows)} points, ranked by predicted throughput where they fit"
+            f"{within}" + (f"; every row: {shared}" if shared else ""),
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            collapse_padding=True,
+        )
+        for reason in reasons:
+            console.print(reason, highlight=False)
+    console.print(
+        "device = what the card holds (reserved + CUDA context + NCCL), fits is judged on it "
+        "(on a CPU: allocated); step = one optimizer step's predicted time; MFU = model FLOPs "
+        "per step time over the card's peak (docs/speed.md)",
+        highlight=False,
+    )
+
+
+def plan_cell(column: str, value: Any, row: Any) -> str:
+    from harness.cli.common import is_missing
+
+    if column == "rank":
+        return "-" if is_missing(value) else str(int(value))
+    if column == "predicted_mfu" and not is_missing(value):
+        return f"{100 * value:.3g} %"
+    return estimate_cell(column, value, row)
+
+
+def default_card(spec: Any) -> str:
+    """This host's GPU as a catalogue card, else ``cpu``."""
+    from harness.cuda.cards import card_for_device_name
+    from harness.spec.schema import local_device
+
+    if local_device() == "cuda":
+        import torch
+
+        card = card_for_device_name(torch.cuda.get_device_name())
+        if card is not None:
+            return card.name
+    return "cpu"

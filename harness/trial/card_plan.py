@@ -1,0 +1,147 @@
+"""Predict one configuration at several batch sizes on several cards, tracing as little as
+possible: ``python -m harness.trial.card_plan IN OUT`` (``harness plan``'s trial-layer tool).
+
+A grid planned on three cards is three estimates of every point, each a real training step on
+fake tensors (an 8B model: 5-25 s to build, 4-30 s a window). Most of that work is the same
+everywhere: the model is built once per configuration and each batch size is one more window
+on it (``Predictor``), and a window traced for one card is every card's step whose kernels
+choose alike (``Predictor.shares_trace``: the attention backends; the cuBLAS workspace is
+resized in the replay), so its allocations are replayed under each card's memory, context and
+budget and its ops priced on each card's roofline. A card whose step differs (another
+attention backend) gets a trace of its own. Every figure equals what ``harness estimate`` says
+for the point on that card (tests hold the two equal).
+
+IN: ``{"device": "cuda"|"cpu", "configs": [TrialConfig dicts], "groups": [{"batches": {card:
+[batch sizes]}}], "cards": {name: Card dict}, "budgets": {name: bytes}}``, one group per config
+(a CPU group's only card is ``cpu``); OUT: per config, ``{"rows": [estimate rows, each with its
+card and batch size]}``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from harness.cuda.cards import Card
+from harness.trial.config import TrialConfig
+from harness.trial.estimate import Predictor, closed_form, device_note
+from harness.trial.prediction import Prediction
+from harness.units import format_bytes
+
+CPU = "cpu"  # the card name of a CPU target
+
+
+def plan_group(
+    config: TrialConfig, index: int, request: dict[str, Any], device: torch.device, as_cuda: bool
+) -> dict[str, Any]:
+    """Every (card, batch size) of group ``index``: one build per run of cards that share a
+    trace, one warm-up and window per batch size, smallest batch first. Unless the request says
+    ``every``, a card whose prediction at one batch size exceeds its budget is not predicted at
+    larger ones (memory grows with the batch): those rows say which batch already did not fit."""
+    wanted = {name: set(sizes) for name, sizes in request["groups"][index]["batches"].items()}
+    batches = sorted(set().union(*wanted.values()))
+    cards = {name: Card.from_dict(data) for name, data in request.get("cards", {}).items()}
+    budgets: dict[str, int | None] = request.get("budgets", {})
+    every = bool(request.get("every"))
+    found: dict[tuple[str, int], Prediction] = {}
+    over: dict[str, str] = {}  # card -> why its larger batches were not predicted
+
+    def predicted(name: str, batch: int, prediction: Prediction) -> None:
+        found[name, batch] = prediction
+        budget = budgets.get(name) or (cards[name].memory_bytes if name in cards else None)
+        figure = judged(prediction)
+        if not every and budget and figure is not None and figure > budget:
+            over[name] = (
+                f"not predicted: batch {batch} already needs {format_bytes(figure, short=True)}"
+                f" of {format_bytes(budget, short=True)}"
+            )
+
+    if CPU in wanted:
+        cpu = torch.device("cpu")
+        with Predictor(replace(config, batch_size=batches[0]), cpu, False) as predictor:
+            for batch in sorted(wanted[CPU]):
+                if CPU not in over:
+                    predicted(CPU, batch, predictor.predict(batch))
+    pending = [cards[name] for name in wanted if name != CPU]
+    strategies = config.strategy.build()
+    while pending:
+        first = pending[0]
+        lead = replace(
+            config,
+            card=first.to_dict(),
+            batch_size=batches[0],
+            device_memory_bytes=budgets.get(first.name) or first.memory_bytes,
+        )
+        missed: set[str] = set()  # cards whose step was not the lead's at some batch
+        with Predictor(lead, device, as_cuda, strategies=strategies, rewarm=True) as predictor:
+            for batch in batches:
+                live = [c for c in pending if batch in wanted[c.name] and c.name not in over]
+                live = [c for c in live if c.name not in missed]
+                if not live:
+                    continue
+                answers = predictor.predict_on(batch, [first, *live], budgets)
+                for card in live:
+                    if card.name in answers:
+                        predicted(card.name, batch, answers[card.name])
+                    else:
+                        missed.add(card.name)
+        done = [card for card in pending if card.name not in missed]
+        for card in missed:  # traced again, on their own step
+            for batch in batches:
+                found.pop((card, batch), None)
+            over.pop(card, None)
+        pending = [card for card in pending if card.name in missed]
+        traced = len(done)
+        print(f"  traced once for {traced} card{'s' * (traced != 1)}: "
+              f"{', '.join(card.name for card in done)}", flush=True)  # fmt: skip
+    rows = []
+    for name, sizes in wanted.items():
+        for batch in sorted(sizes):
+            point = replace(config, batch_size=batch, card=None, device_memory_bytes=None)
+            if name != CPU:
+                point = replace(
+                    point,
+                    card=cards[name].to_dict(),
+                    device_memory_bytes=budgets.get(name) or cards[name].memory_bytes,
+                )
+            if (name, batch) in found:
+                rows.append(row(point, found[name, batch], name, as_cuda and name != CPU))
+            else:
+                rows.append({"trial_key": point.trial_key, "batch_size": batch, "card": name,
+                             "skipped": over[name]})  # fmt: skip
+    return {"rows": rows}
+
+
+def judged(prediction: Prediction) -> float | None:
+    """The figure a budget holds a prediction to: the device figure on a card (what it must
+    hold), the allocated peak on a CPU; None without a prediction."""
+    if not prediction.ok:
+        return None
+    if prediction.on_card is not None:
+        return prediction.on_card.device_bytes
+    return prediction.peak_bytes
+
+
+def row(config: TrialConfig, prediction: Prediction, card: str, as_cuda: bool) -> dict[str, Any]:
+    """One (card, batch size) as ``harness estimate`` writes a point."""
+    note = "; ".join(filter(None, (device_note(config, as_cuda), prediction.note)))
+    fields = {k: v for k, v in prediction.to_dict().items() if k != "note"}
+    out = {
+        "trial_key": config.trial_key,
+        "batch_size": config.batch_size,
+        **fields,
+        "card": card,
+        "note": note,
+    }
+    if prediction.ok:
+        out.update(closed_form(config, prediction))
+    return out
+
+
+if __name__ == "__main__":
+    from harness.trial.tool import serve
+
+    sys.exit(serve(sys.argv[1:], plan_group, "planned", "plan_seconds"))
