@@ -52,6 +52,13 @@ class RetryChoice(click.Choice):
     help="search.method optuna only: run this many trials more than are recorded already.",
 )
 @click.option(
+    "--top",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run first the K points `harness plan` predicts fastest among those that fit this "
+    "host's card (Optuna: its study is seeded with them); each records its planned_rank.",
+)
+@click.option(
     "--workers",
     type=click.IntRange(min=1),
     default=1,
@@ -91,6 +98,7 @@ def sweep(
     retry: str | None,
     launcher: str | None,
     wait: bool,
+    top: int | None,
 ) -> None:
     """Run the trials of SPEC (each in its own process) and record them in MLflow.
 
@@ -109,6 +117,11 @@ def sweep(
     remote = spec.launcher.name != "local"
     if remote and not dry_run:
         check_remote_options(spec, fresh, retry, n_trials, workers)
+    if top is not None and remote:
+        raise SpecError(
+            f"{spec_path}: --top runs on this host's launcher only (local, --workers N); plan "
+            "the shortlist with `harness plan` and sweep it there"
+        )
     if retry and fresh:
         raise SpecError(
             f"{spec_path}: --retry-failed and --fresh: a fresh sweep has nothing to retry"
@@ -154,7 +167,7 @@ def sweep(
     from harness.sweep.launchers import launcher_for
 
     chosen = launcher_for(spec.launcher.name, workers)
-    request = LaunchRequest(spec, console, fresh, n_trials, retry, workers, wait)
+    request = LaunchRequest(spec, console, fresh, n_trials, retry, workers, wait, top)
     try:
         outcome = chosen.launch(request)
     except KeyboardInterrupt as stop:

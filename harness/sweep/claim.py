@@ -92,6 +92,7 @@ class StudyAttr:
     HARDWARE = "hardware"  # the hardware the sweep is keyed to
     OBJECTIVES = "objectives"  # metric:direction, as the sweep started
     LAUNCH = "launch_"  # + a ``--launcher`` submission's id: its workers joined this study
+    PLANNED = "planned_first"  # [trial_key, predicted rank] that run first (``sweep --top``)
 
 
 # How many trials this process failed through Optuna's stale-trial callback (``report_stale``).

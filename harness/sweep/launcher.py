@@ -30,6 +30,7 @@ class LaunchRequest:
     retry: str | None = None  # --retry-failed: failed | all
     workers: int = 1  # --workers (local only)
     wait: bool = False  # --wait (slurm: follow the jobs; the others always wait)
+    top: int | None = None  # --top K: the K best predicted points first (this host only)
 
 
 @dataclass

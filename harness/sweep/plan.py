@@ -388,7 +388,9 @@ class SearchPlan:
     already taken is answered with that point's recorded values at once (the sampler learns the
     same from it) and counts for nothing; after ``MAX_REPEATS`` such proposals in a row an
     untaken point is chosen at random. Every point is claimed before it is run
-    (``claim.claim_point``), so racing workers never run one twice.
+    (``claim.claim_point``), so racing workers never run one twice. Points noted on the study
+    by ``harness sweep --top K`` (``StudyAttr.PLANNED``) come first in either, best predicted
+    first (``ranks``: trial key -> its rank in the plan).
     """
 
     def __init__(
@@ -406,6 +408,8 @@ class SearchPlan:
         self.random = random.Random(spec.train.seed + len(recorded))
         self.by_key = {key: point for key, (point, _) in sweep.by_key.items()}
         self.shuffle = shuffle
+        planned = study.user_attrs.get(StudyAttr.PLANNED) or []
+        self.ranks = {str(key): int(rank) for key, rank in planned if key in self.by_key}
 
     def taken(self) -> set[str]:
         return self.recorded | active_keys(self.study)
@@ -414,6 +418,14 @@ class SearchPlan:
         if self.spec.search.method == "grid":
             yield from self.grid()
             return
+        for key in self.ranks:  # the plan's shortlist seeds the study
+            if len(self.taken()) >= self.target:
+                return
+            if key not in self.taken():
+                trial, point = ask(self.study, self.spec, self.by_key[key])
+                config = self.sweep.trial_config(point)
+                if claim_point(self.study, trial, config.trial_key):
+                    yield trial, point, config
         while len(self.taken()) < self.target:
             proposal = self.propose()
             if proposal is None:
@@ -421,10 +433,11 @@ class SearchPlan:
             yield proposal
 
     def grid(self) -> Iterator[tuple[Trial, dict[str, Any], TrialConfig]]:
-        keys = list(self.by_key)
-        if self.shuffle:
+        keys = [key for key in self.by_key if key not in self.ranks]
+        if self.shuffle and keys:
             start = random.Random().randrange(len(keys))
             keys = keys[start:] + keys[:start]
+        keys = [*self.ranks, *keys]  # the plan's shortlist first, best predicted first
         # Passes until no point is free: two workers that claimed one point at once may both
         # have yielded it (``claim.claim_point``), and then it is free again.
         while free := [key for key in keys if key not in self.taken()]:

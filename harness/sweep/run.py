@@ -47,7 +47,12 @@ class LocalLauncher(OnThisHost):
 
     def run(self, request: LaunchRequest) -> SweepOutcome:
         return run_sweep(
-            request.spec, request.console, request.fresh, request.more_trials, request.retry
+            request.spec,
+            request.console,
+            request.fresh,
+            request.more_trials,
+            request.retry,
+            request.top,
         )
 
 
@@ -75,9 +80,13 @@ def run_sweep(
     fresh: bool = False,
     more_trials: int | None = None,
     retry: str | None = None,
+    top: int | None = None,
 ) -> SweepOutcome:
     """The whole sweep in this process (``--workers N``: ``harness.sweep.workers``)."""
     state = prepare(spec, fresh=fresh, retry=retry)
+    from harness.sweep.card_plan import note_shortlist  # pandas: only when a sweep starts
+
+    note_shortlist(state.study, state.plan, top)
     announce(state, console)
     return work(state, console, more_trials)
 
@@ -138,6 +147,8 @@ def work(
                     # long on a slow store, and a lapse would hand the point to another worker.
                     with claim.heartbeat(trial):
                         result = run_with_retries(spec, config, workdir)
+                        if config.trial_key in proposals.ranks:  # sweep --top: how right
+                            result.info["planned_rank"] = proposals.ranks[config.trial_key]
                         problem = draw_timeline(workdir, label)
                         if problem:
                             say(problem, "yellow", relay="")

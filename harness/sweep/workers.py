@@ -26,7 +26,12 @@ from harness.sweep.run import status_counts
 
 
 def run_with_workers(
-    spec: Spec, console: Console, fresh: bool, workers: int, retry: str | None = None
+    spec: Spec,
+    console: Console,
+    fresh: bool,
+    workers: int,
+    retry: str | None = None,
+    top: int | None = None,
 ) -> SweepOutcome:
     """``--workers N``: prepare the sweep here, then N ``harness worker`` processes share it,
     shown as one sweep: one header, one progress bar, one line per finished trial."""
@@ -42,6 +47,9 @@ def run_with_workers(
     per_worker = gpus_per_worker(spec)
     check_gpus(spec, workers, per_worker, gpus)
     state = prepare(spec, fresh=fresh, runs_trials=False, retry=retry)
+    from harness.sweep.card_plan import note_shortlist  # pandas: only when a sweep starts
+
+    note_shortlist(state.study, state.plan, top)
     announce(state, console)
     left = start(state, console)
     if not left.to_run:
@@ -181,5 +189,10 @@ class WorkersLauncher(OnThisHost):
 
     def run(self, request: LaunchRequest) -> SweepOutcome:
         return run_with_workers(
-            request.spec, request.console, request.fresh, request.workers, request.retry
+            request.spec,
+            request.console,
+            request.fresh,
+            request.workers,
+            request.retry,
+            request.top,
         )
