@@ -209,3 +209,21 @@ def test_a_trial_records_how_right_its_predicted_step_time_was():
     assert metrics["mfu"] == pytest.approx(metrics["predicted_mfu"] * ratio)
     assert 0 < metrics["mfu"] < 1
     assert result.info["speed_device"] == "cpu"
+
+
+def test_fused_attention_is_priced_at_its_own_share_each_direction():
+    """The CPU's flash attention reaches a small share of the matmul rate, its backward less
+    than its forward: each direction takes its calibrated share and cost per call."""
+    from harness.meters.roofline import op_seconds
+
+    line = roofline(
+        attention_efficiency={"fp32": 0.5, "fp32_backward": 0.25},
+        attention_half_flops={"fp32": 0.0, "fp32_backward": 2e6},
+    )
+    name = "_scaled_dot_product_flash_attention_for_cpu"
+    forward = OpCall(name, FLOPS, "float32", flops=1e9, bytes=1.0, recompute=False)
+    backward = OpCall(f"{name}_backward", FLOPS, "float32", flops=1e9, bytes=1.0, recompute=False)
+    assert op_seconds(forward, line)[0] == pytest.approx(1e9 / (1e12 * 0.5 * 0.5))
+    assert op_seconds(backward, line)[0] == pytest.approx((1e9 + 2e6) / (1e12 * 0.5 * 0.25))
+    # Not measured (a card): the matmul's rate and half.
+    assert op_seconds(forward, roofline())[0] == pytest.approx((1e9 + 1e6) / (1e12 * 0.5))

@@ -28,6 +28,14 @@ from harness.meters.op_costs import COLLECTIVE, FLOPS, OpCall, StepCosts
 
 CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution", "cudnn_convolution",
                 "_slow_conv2d_forward", "convolution_overrideable"}  # fmt: skip
+# Fused attention kernels, each direction: priced at their own share of the matmul rate.
+ATTENTIONS = {
+    f"{name}{direction}"
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_flash_attention", "_efficient_attention")
+    for direction in ("", "_backward", "_forward")
+}  # fmt: skip
 # The op dtypes' names (torch's) as the peak tables name them.
 _PEAK_KEY = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
@@ -47,6 +55,11 @@ class Roofline:
     # Per dtype: FLOPs a convolution call costs on top of its own (set-up per call, too few
     # tiles), like ``matmul_half_flops``; 0 where not measured.
     conv_half_flops: dict[str, float] = field(default_factory=dict)
+    # The same two for fused attention, per dtype and, under ``<dtype>_backward``, for its
+    # backward (the CPU's flash kernels reach a small share of its matmul rate, least in
+    # bf16 and backward); 1 and the matmul's where not measured (a card's).
+    attention_efficiency: dict[str, float] = field(default_factory=dict)
+    attention_half_flops: dict[str, float] = field(default_factory=dict)
     host_overhead_s: float = 0.0  # per op that launches a kernel: the host's dispatch
     launch_gap_s: float = 0.0  # per kernel on the device (0 on a CPU)
     overlapped: bool = False  # the host runs ahead of the device (a GPU), else the two add
@@ -102,10 +115,14 @@ def op_seconds(call: OpCall, roofline: Roofline) -> tuple[float, bool]:
         return memory, False
     rate = roofline.peak(call.dtype) * roofline.matmul_efficiency
     half = roofline.half(call.dtype)
+    key = _PEAK_KEY.get(call.dtype, call.dtype)
     if call.name in CONVOLUTIONS:
-        key = _PEAK_KEY.get(call.dtype, call.dtype)
         rate *= roofline.conv_efficiency.get(key, 1.0)
         half = roofline.conv_half_flops.get(key, half)
+    elif call.name in ATTENTIONS:
+        key += "_backward" if call.name.endswith("_backward") else ""
+        rate *= roofline.attention_efficiency.get(key, 1.0)
+        half = roofline.attention_half_flops.get(key, half)
     compute = (call.flops + half) / rate
     return (compute, True) if compute >= memory else (memory, False)
 

@@ -12,6 +12,9 @@ count, in about ten seconds:
 - convolutions: 3x3 convolutions' forward and backward over small images and growing channel
   counts, fitted the same way: their rate as a share of the matmul rate and their cost per
   call (oneDNN's convolutions on small images reach far less of the cores than its matmuls);
+- attention: causal ``scaled_dot_product_attention`` forward and backward over growing
+  sequences and head dims, fitted the same way (the CPU's flash kernels reach a small share of
+  its matmul rate: a 50x difference in bf16 on an AMD EPYC);
 - host overhead: a tiny MLP's real training step (forward, backward, SGD) timed over many
   steps, divided by the ops it dispatches: Python, ``nn.Module`` calls, autograd and the
   dispatcher per op, as a trial's step pays them.
@@ -32,16 +35,21 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from harness.meters.op_costs import OpCostCounter
-from harness.meters.roofline import Roofline
+from harness.meters.roofline import ATTENTIONS, Roofline
 from harness.trial.hardware import cpu_name
 
-VERSION = 3  # bump when what is measured changes: old caches are then ignored
+VERSION = 4  # bump when what is measured changes: old caches are then ignored
 MATMUL_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 CONV_SHAPES = ((8, 8), (8, 32), (16, 8), (16, 32), (16, 64))  # (image side, channels)
+# (batch x heads, sequence, head dim): causal self-attention as small models run it. The
+# CPU's bf16 backward at head dim 16 runs at a twentieth of its rate at 64, which a rate and a
+# cost per call cannot both follow: these shapes keep the fit sane (docs/accuracy.md).
+ATTENTION_SHAPES = ((16, 64, 16), (32, 64, 32), (32, 128, 32), (16, 256, 64), (32, 256, 64))
 COPY_ELEMENTS = tuple(2**k for k in range(12, 24, 2))  # 16 KiB .. 32 MiB per fp32 operand
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SLOW_CALL_S = 0.05  # stop growing a benchmark once one call takes this long
@@ -174,6 +182,47 @@ def _conv(
     return min(1.0, rate / peak), half / 2, raw
 
 
+def _attention(
+    dtype: torch.dtype, peak: float, overhead_s: float
+) -> tuple[dict[str, float], dict[str, float], list[list[float]]]:
+    """The share of ``peak`` a fused attention's forward and, apart, its backward reach, and
+    the FLOPs each call costs on top of its own (keys ``forward``, ``backward``), as ``_conv``
+    measures convolutions: causal ``scaled_dot_product_attention`` over growing sequences and
+    head dims, FLOPs counted as the step prediction counts them. Apart, because the CPU's
+    backward kernel runs several times slower per FLOP than its forward."""
+    work: dict[str, list[float]] = {"forward": [], "backward": []}
+    seconds: dict[str, list[float]] = {"forward": [], "backward": []}
+    raw = []
+    for heads, length, dim in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(1, heads, length, dim).to(dtype).requires_grad_() for _ in "qkv")
+
+        def forward(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> Any:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def step() -> None:
+            forward().sum().backward()
+
+        with OpCostCounter() as counter:
+            step()
+        attention = [c for c in counter.costs.calls if c.name in ATTENTIONS]
+        ahead = _best_seconds(forward)
+        took = _best_seconds(step)
+        for direction, call, spent in (
+            ("forward", attention[0], ahead),
+            ("backward", attention[-1], took - ahead),
+        ):
+            work[direction].append(call.flops)
+            seconds[direction].append(max(spent - overhead_s, spent * 0.1))
+        raw.append([heads, length, dim, ahead, took])
+        if took > SLOW_CALL_S and len(raw) >= 3:
+            break
+    efficiency, halves = {}, {}
+    for direction in work:
+        rate, half = fit_saturating(work[direction], seconds[direction])
+        efficiency[direction], halves[direction] = min(1.0, rate / peak), half
+    return efficiency, halves, raw
+
+
 def _host_overhead() -> tuple[float, int]:
     """Seconds per dispatched op of a tiny model's training step, and the ops per step."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
@@ -206,9 +255,13 @@ def measure(threads: int) -> Roofline:
                 peaks[name], halves[name], raw[name] = _matmul(dtype, dispatch_s)
             bandwidth, raw["add"] = _bandwidth(dispatch_s)
         overhead, ops = _host_overhead()
-        conv, conv_half = {}, {}
+        conv, conv_half, attention, attention_half = {}, {}, {}, {}
         for name, dtype in DTYPES.items():
             conv[name], conv_half[name], raw[f"conv_{name}"] = _conv(dtype, peaks[name], overhead)
+            share, half, raw[f"attention_{name}"] = _attention(dtype, peaks[name], overhead)
+            for direction, suffix in (("forward", ""), ("backward", "_backward")):
+                attention[name + suffix] = share[direction]
+                attention_half[name + suffix] = half[direction]
     finally:
         torch.set_num_threads(previous)
     return Roofline(
@@ -219,6 +272,8 @@ def measure(threads: int) -> Roofline:
         bandwidth=bandwidth,
         conv_efficiency=conv,
         conv_half_flops=conv_half,
+        attention_efficiency=attention,
+        attention_half_flops=attention_half,
         host_overhead_s=overhead,
         launch_gap_s=0.0,
         overlapped=False,
@@ -230,5 +285,6 @@ def measure(threads: int) -> Roofline:
             "mm_seconds_by_size": {k: raw[k] for k in DTYPES},
             "add_seconds_by_elements": raw["add"],
             "conv_seconds_by_side_and_channels": {k: raw[f"conv_{k}"] for k in DTYPES},
+            "attention_seconds_by_heads_length_dim": {k: raw[f"attention_{k}"] for k in DTYPES},
         },
     )
