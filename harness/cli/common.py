@@ -502,15 +502,20 @@ def emit(frame: pd.DataFrame, fmt: str, show_table: Callable[[], None]) -> None:
         show_table()
 
 
-def card_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--card NAME`` and ``--cards FILE``: plan for another card than the spec's."""
-    command = click.option(
+def cards_file_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--cards FILE``: your own cards beside the catalogue."""
+    return click.option(
         "--cards",
         "cards_file",
         type=click.Path(dir_okay=False, path_type=Path),
         default=None,
         help="A YAML file of your own cards (see docs/cards.md).",
     )(command)
+
+
+def card_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--card NAME`` and ``--cards FILE``: plan for another card than the spec's."""
+    command = cards_file_option(command)
     return click.option(
         "--card",
         default=None,

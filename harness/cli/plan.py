@@ -7,7 +7,13 @@ from typing import Any
 
 import click
 
-from harness.cli.common import card_options, emit, format_option, prediction_target
+from harness.cli.common import (
+    card_options,
+    cards_file_option,
+    emit,
+    format_option,
+    prediction_target,
+)
 from harness.spec import SweepPlan, load_spec, points, with_card
 from harness.trial.prediction import Prediction
 from harness.units import format_bytes
@@ -222,13 +228,7 @@ def estimate_cell(column: str, value: Any, row: Any = None) -> str:
     help="Cards to plan on, comma-separated (`harness cards` lists them; `cpu` is this host); "
     "default: the spec's card, else this host's GPU or CPU.",
 )
-@click.option(
-    "--cards",
-    "cards_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="A YAML file of your own cards (see docs/cards.md).",
-)
+@cards_file_option
 @click.option(
     "--gpus",
     type=click.IntRange(min=1),
