@@ -17,6 +17,7 @@ from rich.table import Table
 from benchmarks import allocator, estimator, fit, overhead, scale, search, step_time
 from benchmarks.figures import Figure
 from benchmarks.published import bench as published
+from benchmarks.published import speed as published_speed
 
 SUITES = {
     "overhead": overhead.run,
@@ -27,6 +28,7 @@ SUITES = {
     "fit": fit.run,
     "step_time": step_time.run,
     "published": published.run,
+    "published_speed": published_speed.run,
 }
 
 

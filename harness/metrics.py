@@ -108,10 +108,10 @@ _DOCS: dict[str, str] = {
     "predicted_throughput": "samples/s (tokens/s for sequence models) at predicted_step_time_ms, "
     "all ranks together",
     "predicted_mfu": "model FLOPs per predicted step time over the device's peak for the "
-    "trial's dtype (recomputation not counted)",
+    "dtype most of them run in (recomputation not counted)",
     "mfu": "model FLOPs utilisation: the step's model FLOPs (counted on its ops, recomputation "
-    "not counted) per measured median step time, over the device's peak for the trial's dtype "
-    "(a card's datasheet; on CPU the calibrated matmul rate)",
+    "not counted) per measured median step time, over the device's peak for the dtype most "
+    "of them run in (a card's datasheet; on CPU the calibrated matmul rate)",
     "step_time_ratio": "predicted_step_time_ms / step_time_ms_p50 (1.0: exact)",
     # Recorded by particular strategies only.
     "sparsity": "prune: fraction of prunable weights that are zero after training",

@@ -227,3 +227,15 @@ def test_fused_attention_is_priced_at_its_own_share_each_direction():
     assert op_seconds(backward, line)[0] == pytest.approx((1e9 + 2e6) / (1e12 * 0.5 * 0.25))
     # Not measured (a card): the matmul's rate and half.
     assert op_seconds(forward, roofline())[0] == pytest.approx((1e9 + 1e6) / (1e12 * 0.5))
+
+
+def test_mfu_is_over_the_peak_of_the_dtype_the_flops_ran_in():
+    """A bf16 model under the fp32 axis (a LoRA base, bf16_params) runs its matmuls at the
+    bf16 peak: MFU is over that peak, not fp32's, so it stays below 1."""
+    matmul = OpCall("mm", FLOPS, "bfloat16", flops=1e12, bytes=1e6, recompute=False)
+    small = OpCall("mm", FLOPS, "float32", flops=1e9, bytes=1e6, recompute=False)
+    line = roofline(matmul_half_flops={"fp32": 0.0, "bf16": 0.0})
+    timed = step_time(StepCosts([matmul, small]), line)
+    assert timed.flops_dtype == "bfloat16"
+    assert timed.mfu(line, "fp32") == pytest.approx((1e12 + 1e9) / timed.seconds / 4e12)
+    assert timed.mfu(line, "fp32") < 1

@@ -63,7 +63,7 @@ _MEMORY_OPS = {
     "index", "index_select", "index_put_", "index_put", "index_add_", "_index_put_impl_",
     "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "embedding",
     "embedding_dense_backward", "masked_fill", "masked_fill_", "where", "tril", "triu",
-    "constant_pad_nd", "slice_backward", "select_backward", "expand_copy", "_unsafe_view",
+    "constant_pad_nd", "slice_backward", "select_backward", "expand_copy",
     "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm",
     "_fused_rms_norm_backward", "native_batch_norm", "native_batch_norm_backward",
     "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
@@ -82,6 +82,7 @@ _MEMORY_OPS = {
 }  # fmt: skip
 # No kernel: allocations without a write, metadata.
 _FREE_OPS = {
+    "_unsafe_view",  # a view without autograd's view tracking: no copy, no kernel
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
     "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "set_",
     "resize_", "record_stream", "_has_compatible_shallow_copy_type", "detach_", "_version",

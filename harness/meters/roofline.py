@@ -102,10 +102,14 @@ class StepTime:
     model_flops: float  # per step, without recomputation
     unmodelled: tuple[str, ...]  # ops no rule covered (priced as memory traffic)
     collectives_unpriced: bool  # collectives ran but the device has no link bandwidth
+    flops_dtype: str = ""  # the op dtype most of the model FLOPs ran in ("": none ran)
 
     def mfu(self, roofline: Roofline, dtype: str) -> float:
-        """Model FLOPs per second over the device's peak for ``dtype``."""
-        return self.model_flops / self.seconds / roofline.peak(dtype) if self.seconds else 0.0
+        """Model FLOPs per second over the device's peak for the dtype most of them ran in
+        (a bf16 model under the fp32 axis runs its matmuls at the bf16 peak), else ``dtype``."""
+        if not self.seconds:
+            return 0.0
+        return self.model_flops / self.seconds / roofline.peak(self.flops_dtype or dtype)
 
 
 def op_seconds(call: OpCall, roofline: Roofline) -> tuple[float, bool]:
@@ -130,6 +134,7 @@ def op_seconds(call: OpCall, roofline: Roofline) -> tuple[float, bool]:
 def step_time(costs: StepCosts, roofline: Roofline) -> StepTime:
     """The predicted time of one step of ``costs`` on ``roofline`` (module docstring)."""
     device = compute_bound = collective = longest = 0.0
+    by_dtype: dict[str, float] = {}
     kernels = 0
     unpriced = False
     for call in costs.calls:
@@ -141,6 +146,8 @@ def step_time(costs: StepCosts, roofline: Roofline) -> StepTime:
             elif call.bytes:
                 unpriced = True
             continue
+        if call.flops > 0 and not call.recompute:
+            by_dtype[call.dtype] = by_dtype.get(call.dtype, 0.0) + call.flops
         seconds, by_flops = op_seconds(call, roofline)
         device += seconds
         compute_bound += seconds if by_flops else 0.0
@@ -165,4 +172,5 @@ def step_time(costs: StepCosts, roofline: Roofline) -> StepTime:
         model_flops=costs.model_flops,
         unmodelled=tuple(costs.unmodelled),
         collectives_unpriced=unpriced,
+        flops_dtype=max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "",
     )
