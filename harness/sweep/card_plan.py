@@ -45,7 +45,6 @@ class CardSweep:
     card: str
     configs: list[TrialConfig]
     budget: int | None
-    memory: int | None  # the card's own memory, for the plot's marker
 
 
 def on_card(spec: Spec, card: str, cards_file: str | None) -> CardSweep:
@@ -55,15 +54,12 @@ def on_card(spec: Spec, card: str, cards_file: str | None) -> CardSweep:
         cpu.__pydantic_private__ = dict(spec.__pydantic_private__ or {})
         sweep = resolve_max_batch(SweepPlan(cpu), CPU)
         budget = int(cpu.device_memory) if cpu.device_memory is not None else None
-        return CardSweep(card, sweep.configs, budget, None)
+        return CardSweep(card, sweep.configs, budget)
     planned = with_card(spec, card, cards_file)
     planned = planned.model_copy(update={"device": "cuda"})
     planned.__pydantic_private__ = dict(spec.__pydantic_private__ or {})
     sweep = resolve_max_batch(SweepPlan(planned), "cuda")
-    entry = planned.card_entry
-    return CardSweep(
-        card, sweep.configs, planned.memory_budget, entry.memory_bytes if entry else None
-    )
+    return CardSweep(card, sweep.configs, planned.memory_budget)
 
 
 def group_key(config: TrialConfig) -> str:
@@ -176,8 +172,9 @@ def configuration(row: Any) -> str:
 
 def trade_line(frame: pd.DataFrame, card: str) -> str:
     """What the card's best point is and what the runner-up trades, in one line, e.g.
-    ``rtx-4090 (24 GiB): 6 of 28 fit; best lora:16+checkpoint at batch 2 (2,345 tokens/s,
-    21.3 GiB); runner-up qlora:16+checkpoint at batch 4: 31 % slower, 2.1 GiB less``."""
+    ``rtx-4090 (24 GiB): 3 of 28 points fit; best lora:16+checkpoint at batch 1 (1,575
+    tokens/s, 20.3 GiB); runner-up qlora:16+checkpoint at batch 2 fits too, 27 % slower than
+    lora:16+checkpoint at batch 1, 4.78 GiB less memory``."""
     rows = frame[frame["card"].eq(card)]
     ranked = rows[rows["rank"].notna()].sort_values("rank")
     budget = rows["budget_bytes"].iloc[0] if len(rows) else None

@@ -82,7 +82,7 @@ def plan_group(
                 live = [c for c in live if c.name not in missed]
                 if not live:
                     continue
-                answers = predictor.predict_on(batch, [first, *live], budgets)
+                answers = predictor.predict_on(batch, live, budgets)
                 for card in live:
                     if card.name in answers:
                         predicted(card.name, batch, answers[card.name])
