@@ -105,6 +105,91 @@ def test_a_warm_up_again_at_another_batch_is_a_fresh_process(base_spec):
     assert again.peak_bytes == expected["predicted_peak_bytes"]
 
 
+def test_tensors_a_step_leaves_behind_do_not_make_the_plan_build_again():
+    """PEFT's gradient checkpointing leaves each step's embedding output and its gradient
+    alive, held from outside Python: the plan still goes back to the build's state and warms
+    up at the next batch (an 8B QLoRA model is not quantized again per batch), and what it
+    predicts is a fresh estimate's."""
+    pytest.importorskip("peft")
+    from tests.test_finetune import llama_spec
+
+    data = llama_spec(["lora:4", "checkpoint"], batch_size=1)
+    data["data"] = {"dataset": "tokens", "vocab_size": 512}
+    data.update(device="cuda", card="a100-80gb")
+    config = trial_configs(parse_spec(data))[0]
+    with Predictor(config, CPU, True, rewarm=True) as predictor:
+        predictor.predict(1)
+        built = predictor.setup.model
+        again = predictor.predict(2).to_dict()
+        assert predictor.setup.model is built and predictor.warmed_at == 2
+        assert predictor.window_made & set(predictor.log.live_ids()), "nothing was left behind"
+    expected = fresh_row(config, "a100-80gb", 2)
+    for figure in FIGURES:
+        assert again[figure] == expected[figure], figure
+
+
+def test_the_values_mode_records_for_the_cost_counter_what_the_counter_records(base_spec):
+    """A prediction's op costs are filed by the fake world's values mode (one dispatch mode
+    fewer per op): the same calls, in order, as the counter running as a mode of its own."""
+    data = gpt_spec(base_spec, device="cuda", card="a100-80gb")
+    data["grid"]["strategy"] = [["checkpoint"]]
+    config = trial_configs(parse_spec(data))[0]
+    calls = []
+    for hosted in (True, False):
+        with Predictor(config, CPU, True) as predictor:
+            predictor.build()
+            if not hosted:
+                predictor.values = None  # the counter enters as a mode
+            predictor.predict(config.batch_size)
+            assert predictor.trace is not None
+            calls.append(predictor.trace.costs.calls)
+    assert calls[0] == calls[1] and any(call.recompute for call in calls[0])
+
+
+def canonical(events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Events with their ids renamed in order of first appearance: the replay sees only which
+    event names which block, not the numbers."""
+    names: dict[int, int] = {}
+    return [(names.setdefault(ident, len(names)), size) for ident, size in events]
+
+
+@pytest.mark.parametrize(
+    ("family", "strategies"),
+    [("llama", ["lora:4", "checkpoint"]), ("llama", ["qlora:4"]), ("gpt", ["accumulate:2"]),
+     ("gpt", ["fsdp:2"])],
+)  # fmt: skip
+def test_a_windows_later_steps_are_its_first_filed_again(
+    base_spec, family, strategies, monkeypatch
+):
+    """A window's steps after the first are not run: the first step's allocations are filed
+    again (``repeated_step``), so the allocator replay sees every step of the window. They are
+    what running the steps files, event for event, and so are every figure (a LoRA under
+    checkpointing keeps two tensors alive per step: they stay alive in the repeats too)."""
+    if family == "llama":
+        pytest.importorskip("peft")
+        from tests.test_finetune import llama_spec
+
+        data = llama_spec(strategies)
+        data.update(device="cuda", card="a100-80gb")
+    else:
+        data = gpt_spec(base_spec, device="cuda", card="a100-80gb")
+        data["grid"]["strategy"] = [strategies]
+    data["measure"] = {**data.get("measure", {}), "memory_steps": 3}
+    config = trial_configs(parse_spec(data))[0]
+    found = {}
+    for repeat in (True, False):
+        if not repeat:
+            monkeypatch.setattr(Predictor, "repeated", lambda self, start, times: None)
+        with Predictor(config, CPU, True) as predictor:
+            prediction = predictor.predict(config.batch_size)
+            assert predictor.trace is not None
+            found[repeat] = (prediction.to_dict(), canonical(predictor.trace.events))
+    (repeated, repeated_events), (run, run_events) = found[True], found[False]
+    assert repeated_events == run_events
+    for figure in ("predicted_peak_bytes", "predicted_reserved_bytes", "predicted_device_bytes"):
+        assert repeated[figure] == run[figure]
+
+
 def plan_json(folder: Path, spec: Path, *args: str) -> list[dict]:
     done = run_cli("plan", str(spec), *args, "--format", "json", cwd=folder)
     assert done.returncode == 0, done.stderr

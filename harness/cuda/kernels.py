@@ -183,6 +183,12 @@ class Kernels:
         self.backends: collections.Counter[str] = collections.Counter()
         self.choices: dict[AttentionCall, str] = {}  # each distinct call, the backend it got
 
+    def retarget(self, capability: tuple[int, int]) -> None:
+        """Choose as a card of ``capability`` does from now on (what was chosen is forgotten)."""
+        self.capability = capability
+        self.backends.clear()
+        self.choices.clear()
+
     def chooses_alike(self, capability: tuple[int, int]) -> bool:
         """Whether a card of ``capability`` would have run every attention call seen so far on
         the same backend: then the step it ran is that card's step too (attention is the only

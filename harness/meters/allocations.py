@@ -143,3 +143,38 @@ class AllocationLog(TorchDispatchMode):
     def live_ids(self) -> list[int]:
         """Allocation ids alive now, oldest first."""
         return sorted(ident for ident, _ in self.live.values())
+
+
+def repeated_step(events: list[Event], start: int) -> list[Event] | None:
+    """The step filed from ``events[start:]`` filed once more, as the next step would file it
+    when every step of a window runs the same ops on the same state (what a prediction's window
+    relies on): each allocation of the step made again under a new id, each free of one of the
+    step's own allocations freeing its new copy, and each free of something made before the
+    step (the last step's gradients, its loss) freeing what this step made in its place.
+
+    The step's survivors stand in for what it freed of earlier steps, matched in allocation
+    order and size (a survivor that matches none outlives the next step too, as a tensor kept
+    alive by a reference cycle does); None when they cannot be matched (the step changed the
+    state: a first step that creates the optimizer's state or a library's workspace), so the
+    caller runs the next step instead of assuming it."""
+    step = events[start:]
+    alive: dict[int, int] = {}
+    for ident, size in events[:start]:
+        if size >= 0:
+            alive[ident] = size
+        elif size == FREE:
+            alive.pop(ident, None)
+    made = {ident: size for ident, size in step if size >= 0}
+    freed = {ident for ident, size in step if size == FREE}
+    earlier = sorted(ident for ident in freed if ident not in made)
+    survivors = iter(sorted(ident for ident in made if ident not in freed))
+    successors: dict[int, int] = {}
+    for old in earlier:  # the first survivor of its size after the last one matched
+        new = next((ident for ident in survivors if made[ident] == alive.get(old)), None)
+        if new is None:
+            return None
+        successors[old] = new
+    first = max((ident for ident, _ in events), default=-1) + 1
+    renamed = {ident: first + index for index, ident in enumerate(made)}
+    renamed.update(successors)
+    return [(ident if size == EMPTY_CACHE else renamed[ident], size) for ident, size in step]

@@ -70,11 +70,13 @@ def group_key(config: TrialConfig) -> str:
 
 
 def kernel_class(config: TrialConfig, card: str) -> str:
-    """Which cards are likely to run one step (``Predictor.shares_trace``), to split a
-    configuration's cards into groups the planner's processes take apart: the CPU; a card
-    that may run attention on cuDNN (compute capability 9.0, 10.0, 10.3: PyTorch prefers it
-    there); the other cards of its vendor. The planner checks each trace itself and traces a
-    card again where the guess was wrong."""
+    """Which cards are likely to run one step (``Predictor.shares_trace``), so that the
+    planner's processes take them apart, each with a build of its own: the CPU; a card that
+    may run attention on cuDNN (compute capability 9.0, 10.0, 10.3: PyTorch prefers it there);
+    the other cards of its vendor. Two configurations' worth of work balance over the
+    processes better than one twice as long, and a second build costs less than the warm-ups
+    and windows either needs. The planner checks each trace itself; a card guessed wrong is
+    traced again on the same build (``Predictor.retarget``)."""
     if card == CPU:
         return "cpu"
     entry = config.card or {}

@@ -8,7 +8,8 @@ on it (``Predictor``), and a window traced for one card is every card's step who
 choose alike (``Predictor.shares_trace``: the attention backends; the cuBLAS workspace is
 resized in the replay), so its allocations are replayed under each card's memory, context and
 budget and its ops priced on each card's roofline. A card whose step differs (another
-attention backend) gets a trace of its own. Every figure equals what ``harness estimate`` says
+attention backend) gets a trace of its own, on the same build (``Predictor.retarget``). Every
+figure equals what ``harness estimate`` says
 for the point on that card (tests hold the two equal).
 
 IN: ``{"device": "cuda"|"cpu", "configs": [TrialConfig dicts], "groups": [{"batches": {card:
@@ -37,8 +38,9 @@ CPU = "cpu"  # the card name of a CPU target
 def plan_group(
     config: TrialConfig, index: int, request: dict[str, Any], device: torch.device, as_cuda: bool
 ) -> dict[str, Any]:
-    """Every (card, batch size) of group ``index``: one build per run of cards that share a
-    trace, one warm-up and window per batch size, smallest batch first. Unless the request says
+    """Every (card, batch size) of group ``index``: one build, one warm-up and window per batch
+    size and run of cards that share a trace (``Predictor.retarget`` between runs), smallest
+    batch first. Unless the request says
     ``every``, a card whose prediction at one batch size exceeds its budget is not predicted at
     larger ones (memory grows with the batch): those rows say which batch already did not fit."""
     wanted = {name: set(sizes) for name, sizes in request["groups"][index]["batches"].items()}
@@ -67,16 +69,19 @@ def plan_group(
                     predicted(CPU, batch, predictor.predict(batch))
     pending = [cards[name] for name in wanted if name != CPU]
     strategies = config.strategy.build()
-    while pending:
-        first = pending[0]
-        lead = replace(
-            config,
-            card=first.to_dict(),
-            batch_size=batches[0],
-            device_memory_bytes=budgets.get(first.name) or first.memory_bytes,
-        )
-        missed: set[str] = set()  # cards whose step was not the lead's at some batch
-        with Predictor(lead, device, as_cuda, strategies=strategies, rewarm=True) as predictor:
+    predictor: Predictor | None = None
+    try:
+        while pending:
+            first = pending[0]
+            budget = budgets.get(first.name) or first.memory_bytes
+            if predictor is None or not predictor.retarget(first, budget):
+                if predictor is not None:
+                    predictor.close()
+                lead = replace(
+                    config, card=first.to_dict(), batch_size=batches[0], device_memory_bytes=budget
+                )
+                predictor = Predictor(lead, device, as_cuda, strategies=strategies, rewarm=True)
+            missed: set[str] = set()  # cards whose step was not the lead's at some batch
             for batch in batches:
                 live = [c for c in pending if batch in wanted[c.name] and c.name not in over]
                 live = [c for c in live if c.name not in missed]
@@ -88,15 +93,18 @@ def plan_group(
                         predicted(card.name, batch, answers[card.name])
                     else:
                         missed.add(card.name)
-        done = [card for card in pending if card.name not in missed]
-        for card in missed:  # traced again, on their own step
-            for batch in batches:
-                found.pop((card, batch), None)
-            over.pop(card, None)
-        pending = [card for card in pending if card.name in missed]
-        traced = len(done)
-        print(f"  traced once for {traced} card{'s' * (traced != 1)}: "
-              f"{', '.join(card.name for card in done)}", flush=True)  # fmt: skip
+            done = [card for card in pending if card.name not in missed]
+            for card in missed:  # traced again, on their own step (the model is not built again)
+                for batch in batches:
+                    found.pop((card, batch), None)
+                over.pop(card, None)
+            pending = [card for card in pending if card.name in missed]
+            traced = len(done)
+            print(f"  traced once for {traced} card{'s' * (traced != 1)}: "
+                  f"{', '.join(card.name for card in done)}", flush=True)  # fmt: skip
+    finally:
+        if predictor is not None:
+            predictor.close()
     rows = []
     for name, sizes in wanted.items():
         for batch in sorted(sizes):

@@ -32,7 +32,7 @@ from harness.cuda.device_memory import FREE, DeviceMemory, Replayable
 from harness.cuda.kernels import Workspaces
 from harness.cuda.speed import card_roofline
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
-from harness.meters.allocations import AllocationLog
+from harness.meters.allocations import AllocationLog, repeated_step
 from harness.meters.memory import MemoryWindow
 from harness.meters.op_costs import OpCostCounter, StepCosts
 from harness.meters.roofline import Roofline, step_time
@@ -111,6 +111,10 @@ class Predictor:
     ``b`` (tests hold the two equal to the byte). A step that fails leaves the state unknown,
     so the next ``predict`` builds afresh.
 
+    A window runs its first step only and files its later steps' allocations as that step's
+    again (``repeated``): every step after the warm-up runs the same ops on the same state, so
+    running them bought only time (tests hold the two equal, event for event).
+
     ``steps_run=1`` (the fit search) runs one of the memory window's steps, with all of its
     batches staged: after the warm-up every step starts from the same state and allocates the
     same, so the peak of one is the peak of all (tests hold it equal to a full window).
@@ -165,6 +169,8 @@ class Predictor:
         self.built_live: set[int] = set()  # allocations alive then
         self.warm_start = 0  # where the last warm-up's events begin
         self.warmed_at: int | None = None  # the batch size of the last warm-up
+        self.window_made: set[int] = set()  # allocations of the memory windows' steps
+        self.values: ValuesReadAsOne | None = None  # the fake world's, once built
 
     def __enter__(self) -> Predictor:
         return self
@@ -201,7 +207,7 @@ class Predictor:
                 self.kernels = stack.enter_context(cuda_rules(self.target))
                 self.workspaces = Workspaces(self.target.card)
                 self.log = stack.enter_context(AllocationLog(self.device.type, self.workspaces))
-            stack.enter_context(ValuesReadAsOne())
+            self.values = stack.enter_context(ValuesReadAsOne())
             setup = build_setup(config, self.device, ranks, self.info, None, self.strategies)
             stack.enter_context(libraries_run_eagerly())  # now that the model's code is loaded
             if self.log is not None:  # the trial empties the cache after building (run.py),
@@ -237,7 +243,14 @@ class Predictor:
         """Back to the state the build left (no gradients, no optimizer state), then warmed up
         at ``batch_size``: what the caching allocator saw is then a fresh process's (the build's
         events, then this warm-up's), without building the model again. False, and nothing
-        run, when the state did not go back (something a step made is still alive)."""
+        run, when the state did not go back: something the build made is gone, or something a
+        warm-up made is still alive (state a fresh process makes in its first step, which the
+        warm-up would then not make again).
+
+        What a memory window's step made and nothing frees may stay: a fresh process makes its
+        own in its own window, and the replay never sees the old ones (they are in neither the
+        build's events nor the new warm-up's). Under PEFT's gradient checkpointing each step
+        leaves its embedding output and that output's gradient so, held from outside Python."""
         assert self.setup is not None and self.log is not None and self.workspaces is not None
         optimizer = self.setup.optimizer
         optimizer.zero_grad(set_to_none=True)
@@ -245,7 +258,8 @@ class Predictor:
             parameter.grad = None
         optimizer.state.clear()
         gc.collect()  # a reference cycle may hold the last step's tensors
-        if set(self.log.live_ids()) - set(self.log.untracked) != self.built_live:
+        live = set(self.log.live_ids()) - set(self.log.untracked)
+        if not self.built_live <= live or not live - self.built_live <= self.window_made:
             return False
         self.workspaces.seen.clear()  # a fresh process allocates them in its first step
         self.warm(self.setup, batch_size)
@@ -322,10 +336,26 @@ class Predictor:
         # The window's first step is priced: after the warm-up every step runs the same ops,
         # so a one-step window (the fit search's) prices exactly what a full one does.
         counter = OpCostCounter()
+        steps = staged[: self.steps_run]
+        step_start, first_end, repeats = start, 0, None
         with window:
-            for index, staged_batch in enumerate(staged[: self.steps_run]):
-                with counter if index == 0 else contextlib.nullcontext():
+            for index, staged_batch in enumerate(steps):
+                if index == 1 and self.log is not None:  # the rest: the first one again
+                    repeats = self.repeated(step_start, len(steps) - 1)
+                    if repeats is not None:
+                        first_end = len(self.log.events)
+                        break
+                step_start = len(self.log.events) if self.log is not None else 0
+                # The values mode records for the counter: no dispatch mode of its own.
+                counting = self.values.watching(counter.record) if self.values is not None else counter
+                with counting if index == 0 else contextlib.nullcontext():
                     setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
+        events: list[tuple[int, int]] = []
+        if self.log is not None:
+            events = self.log.events[start:]
+            self.window_made.update(ident for ident, size in events if size >= 0)
+            if repeats is not None:  # after the first step, before anything filed later
+                events = [*self.log.events[start:first_end], *repeats, *self.log.events[first_end:]]
         # This rank's parameters (frozen ones too) + a gradient for each trainable one + the
         # optimizer's persistent state.
         parameters = list(setup.model.parameters())
@@ -339,7 +369,7 @@ class Predictor:
             peak=reading["peak_allocated_bytes"],
             breakdown={c: reading[breakdown_metric(c)] for c in BREAKDOWN_CATEGORIES},
             history=history,
-            events=self.log.events[start:] if self.log is not None else [],
+            events=events,
             num_params=float(setup.num_params),
             num_params_total=float(setup.num_params_total),
             num_params_nf4=float(sum(p.numel() for p in parameters if is_nf4(p))),
@@ -352,6 +382,27 @@ class Predictor:
         )
         budget = self.target.budget(config) if self.target is not None else None
         return self.figures(self.trace, self.target, self.roofline, budget)
+
+    def repeated(self, step_start: int, times: int) -> list[tuple[int, int]] | None:
+        """The allocation events of ``times`` more steps, each the step filed from
+        ``step_start`` on made again (``repeated_step``), without running them; None where a
+        step cannot be repeated so (it changed the state), and they are run instead.
+
+        Every step after the warm-up runs the same ops on the same state, so a window's later
+        steps file what its first filed: running them bought nothing but time (a third of a
+        batch size's prediction), and the caching allocator's replay still sees every step.
+        Tests hold the repeated steps equal to run ones on every shipped configuration."""
+        assert self.log is not None
+        events = list(self.log.events)
+        added: list[tuple[int, int]] = []
+        for _ in range(times):
+            again = repeated_step(events, step_start)
+            if again is None:
+                return None
+            step_start = len(events)
+            events.extend(again)
+            added.extend(again)
+        return added
 
     def figures(
         self,
@@ -423,6 +474,28 @@ class Predictor:
         if self.kernels is None:
             return card.compute_capability == self.target.card.compute_capability
         return bool(self.kernels.chooses_alike(card.compute_capability))
+
+    def retarget(self, card: Card, budget: int | None) -> bool:
+        """Predict for ``card`` (under ``budget`` bytes; None: its memory) from the next batch
+        size on, on the model already built: the build does not depend on the card (no kernel
+        runs in it whose choice does), so a card whose step differs from the target's (another
+        attention backend) costs warm-ups and windows, not another build (an 8B QLoRA model:
+        20 s of quantizing). Each next ``predict`` warms up again under the card's kernels and
+        workspaces. False, and nothing changed, where that cannot be: no fake CUDA target, or
+        no warm-up again (``rewarm``)."""
+        if not self.rewarm or self.target is None or self.kernels is None:
+            return False
+        if self.workspaces is None or self.failure is not None:
+            return False
+        self.target = replace(self.target, card=card, card_named=True)
+        self.config = replace(
+            self.config, card=card.to_dict(), device_memory_bytes=budget or card.memory_bytes
+        )
+        self.kernels.retarget(card.compute_capability)
+        self.workspaces.cublas = card.cublas_workspace_bytes
+        self.roofline = card_roofline(card)
+        self.warmed_at = None  # the last warm-up was the other card's
+        return True
 
     def on_card(self, card: Card, budget: int | None = None) -> Prediction:
         """The last window's prediction for ``card`` (``shares_trace`` holds) under ``budget``

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,15 +78,36 @@ _FACTORIES = {
 
 
 class ValuesReadAsOne(TorchDispatchMode):
-    """Answers a fake tensor's ``.item()`` with 1 instead of failing (see the module notes)."""
+    """Answers a fake tensor's ``.item()`` with 1 instead of failing (see the module notes).
+
+    While ``watching(record)``, also hands every op, its arguments and its result to
+    ``record`` (``OpCostCounter.record``): the counter then costs the fake step no dispatch mode
+    of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record: Callable[[Any, Any, Any, Any], None] | None = None
+
+    @contextlib.contextmanager
+    def watching(self, record: Callable[[Any, Any, Any, Any], None]) -> Iterator[None]:
+        self.record = record
+        try:
+            yield
+        finally:
+            self.record = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             tensor = args[0]
             if tensor.dtype == torch.bool:
-                return True
-            return 1.0 if tensor.is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
+                result: Any = True
+            else:
+                result = 1.0 if tensor.is_floating_point() else 1
+        else:
+            result = func(*args, **(kwargs or {}))
+        if self.record is not None:
+            self.record(func, args, kwargs, result)
+        return result
 
 
 class LargeTensorsOnMeta(TorchFunctionMode):
