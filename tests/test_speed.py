@@ -164,6 +164,8 @@ def test_the_cpu_is_calibrated_once_and_read_back(tmp_path, monkeypatch):
     assert len(files) == 1
     assert first.peak_flops["fp32"] > 1e8 and first.bandwidth > 1e8
     assert 1e-7 < first.host_overhead_s < 1e-2 and not first.overlapped
+    for key in ("fp32", "fp32_backward", "bf16_d16", "bf16_backward_d64", "fp16_backward_d128"):
+        assert 0 < first.attention_efficiency[key] <= 1, key  # attention per head dim too
     # A second call reads the file: what is written there is what it returns.
     data = json.loads(files[0].read_text())
     data["bandwidth"] = 123.0
@@ -227,6 +229,30 @@ def test_fused_attention_is_priced_at_its_own_share_each_direction():
     assert op_seconds(backward, line)[0] == pytest.approx((1e9 + 2e6) / (1e12 * 0.5 * 0.25))
     # Not measured (a card): the matmul's rate and half.
     assert op_seconds(forward, roofline())[0] == pytest.approx((1e9 + 1e6) / (1e12 * 0.5))
+
+
+def test_fused_attention_takes_the_share_calibrated_at_its_nearest_head_dim():
+    """The CPU's flash backward runs several times slower per FLOP at head dim 16 than at 64:
+    a call takes the share calibrated at the head dim nearest its own (in ratio), and the
+    dtype's over all head dims where none was calibrated."""
+    from harness.meters.roofline import op_seconds
+
+    line = roofline(
+        attention_efficiency={"fp32_backward": 0.5, "fp32_backward_d16": 0.1,
+                              "fp32_backward_d64": 0.4},
+        attention_half_flops={"fp32_backward": 0.0, "fp32_backward_d16": 0.0,
+                              "fp32_backward_d64": 0.0},
+    )  # fmt: skip
+    name = "_scaled_dot_product_flash_attention_for_cpu_backward"
+
+    def seconds(head_dim: int) -> float:
+        call = OpCall(name, FLOPS, "float32", 1e9, 1.0, recompute=False, head_dim=head_dim)
+        return op_seconds(call, line)[0]
+
+    assert seconds(16) == pytest.approx(1e9 / (1e12 * 0.5 * 0.1))
+    assert seconds(24) == pytest.approx(seconds(16))  # 24/16 is nearer than 64/24
+    assert seconds(40) == pytest.approx(1e9 / (1e12 * 0.5 * 0.4))
+    assert seconds(0) == pytest.approx(1e9 / (1e12 * 0.5 * 0.5))
 
 
 def test_mfu_is_over_the_peak_of_the_dtype_the_flops_ran_in():

@@ -101,6 +101,7 @@ class OpCall:
     flops: float
     bytes: float  # read + written; a collective's: what one rank sends (collective_traffic)
     recompute: bool  # a forward op run again in the backward (checkpointing)
+    head_dim: int = 0  # fused attention's (its first input's last size): its speed depends on it
 
 
 @dataclass
@@ -258,5 +259,6 @@ class OpCostCounter(TorchDispatchMode):
                 flops=flops,
                 bytes=moved,
                 recompute=_recomputing(),
+                head_dim=inputs[0].shape[-1] if "attention" in name and inputs else 0,
             )
         )

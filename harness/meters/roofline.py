@@ -20,6 +20,7 @@ calibrated curve, clock boost and throttling, stragglers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -112,6 +113,23 @@ class StepTime:
         return self.model_flops / self.seconds / roofline.peak(self.flops_dtype or dtype)
 
 
+def attention_key(roofline: Roofline, key: str, head_dim: int) -> str:
+    """The calibrated entry for fused attention of ``key`` (``bf16``, ``bf16_backward``) at
+    ``head_dim``: ``<key>_d<D>`` for the calibrated head dim nearest it (in ratio), else ``key``
+    (a card's, which are not per head dim). A CPU's flash kernels run 5-15x slower per FLOP at
+    head dim 16 than at 64, so one rate per dtype cannot price both."""
+    prefix = f"{key}_d"
+    dims = [
+        int(name[len(prefix) :])
+        for name in roofline.attention_efficiency
+        if name.startswith(prefix) and name[len(prefix) :].isdigit()
+    ]
+    if not dims or head_dim <= 0:
+        return key
+    nearest = min(dims, key=lambda dim: abs(math.log(dim / head_dim)))
+    return f"{prefix}{nearest}"
+
+
 def op_seconds(call: OpCall, roofline: Roofline) -> tuple[float, bool]:
     """The device time of one op, and whether its FLOPs (not its bytes) set it."""
     memory = call.bytes / roofline.bandwidth
@@ -125,6 +143,7 @@ def op_seconds(call: OpCall, roofline: Roofline) -> tuple[float, bool]:
         half = roofline.conv_half_flops.get(key, half)
     elif call.name in ATTENTIONS:
         key += "_backward" if call.name.endswith("_backward") else ""
+        key = attention_key(roofline, key, call.head_dim)
         rate *= roofline.attention_efficiency.get(key, 1.0)
         half = roofline.attention_half_flops.get(key, half)
     compute = (call.flops + half) / rate

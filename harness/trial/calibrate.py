@@ -13,8 +13,9 @@ count, in about ten seconds:
   counts, fitted the same way: their rate as a share of the matmul rate and their cost per
   call (oneDNN's convolutions on small images reach far less of the cores than its matmuls);
 - attention: causal ``scaled_dot_product_attention`` forward and backward over growing
-  sequences and head dims, fitted the same way (the CPU's flash kernels reach a small share of
-  its matmul rate: a 50x difference in bf16 on an AMD EPYC);
+  sequences, fitted the same way per head dim (16, 32, 64, 128) and over all of them (the
+  CPU's flash kernels reach a small share of its matmul rate, smallest at small head dims: a
+  50x difference in bf16 on an AMD EPYC);
 - host overhead: a tiny MLP's real training step (forward, backward, SGD) timed over many
   steps, divided by the ops it dispatches: Python, ``nn.Module`` calls, autograd and the
   dispatcher per op, as a trial's step pays them.
@@ -43,13 +44,14 @@ from harness.meters.op_costs import OpCostCounter
 from harness.meters.roofline import ATTENTIONS, Roofline
 from harness.trial.hardware import cpu_name
 
-VERSION = 4  # bump when what is measured changes: old caches are then ignored
+VERSION = 5  # bump when what is measured changes: old caches are then ignored
 MATMUL_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 CONV_SHAPES = ((8, 8), (8, 32), (16, 8), (16, 32), (16, 64))  # (image side, channels)
-# (batch x heads, sequence, head dim): causal self-attention as small models run it. The
-# CPU's bf16 backward at head dim 16 runs at a twentieth of its rate at 64, which a rate and a
-# cost per call cannot both follow: these shapes keep the fit sane (docs/accuracy.md).
-ATTENTION_SHAPES = ((16, 64, 16), (32, 64, 32), (32, 128, 32), (16, 256, 64), (32, 256, 64))
+# Causal self-attention as small models run it, fitted per head dim (the CPU's bf16 backward
+# runs at a twentieth of its rate at head dim 16 than at 64: docs/accuracy.md): per head dim,
+# (batch x heads, sequence) growing.
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+ATTENTION_SIZES = ((16, 64), (32, 128), (32, 256))
 COPY_ELEMENTS = tuple(2**k for k in range(12, 24, 2))  # 16 KiB .. 32 MiB per fp32 operand
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SLOW_CALL_S = 0.05  # stop growing a benchmark once one call takes this long
@@ -186,40 +188,45 @@ def _attention(
     dtype: torch.dtype, peak: float, overhead_s: float
 ) -> tuple[dict[str, float], dict[str, float], list[list[float]]]:
     """The share of ``peak`` a fused attention's forward and, apart, its backward reach, and
-    the FLOPs each call costs on top of its own (keys ``forward``, ``backward``), as ``_conv``
-    measures convolutions: causal ``scaled_dot_product_attention`` over growing sequences and
-    head dims, FLOPs counted as the step prediction counts them. Apart, because the CPU's
-    backward kernel runs several times slower per FLOP than its forward."""
-    work: dict[str, list[float]] = {"forward": [], "backward": []}
-    seconds: dict[str, list[float]] = {"forward": [], "backward": []}
+    the FLOPs each call costs on top of its own, per head dim (keys ``forward_d64``,
+    ``backward_d16``, ...) and over all of them (``forward``, ``backward``), as ``_conv``
+    measures convolutions: causal ``scaled_dot_product_attention`` over growing sequences at
+    each of ``ATTENTION_HEAD_DIMS``, FLOPs counted as the step prediction counts them. Apart,
+    because the CPU's backward kernel runs several times slower per FLOP than its forward, and
+    slower still at small head dims."""
+    work: dict[str, list[float]] = {}
+    seconds: dict[str, list[float]] = {}
     raw = []
-    for heads, length, dim in ATTENTION_SHAPES:
-        q, k, v = (torch.randn(1, heads, length, dim).to(dtype).requires_grad_() for _ in "qkv")
+    for dim in ATTENTION_HEAD_DIMS:
+        for heads, length in ATTENTION_SIZES:
+            shape = (1, heads, length, dim)
+            q, k, v = (torch.randn(shape).to(dtype).requires_grad_() for _ in "qkv")
 
-        def forward(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> Any:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            def forward(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> Any:
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        def step() -> None:
-            forward().sum().backward()
+            def step() -> None:
+                forward().sum().backward()
 
-        with OpCostCounter() as counter:
-            step()
-        attention = [c for c in counter.costs.calls if c.name in ATTENTIONS]
-        ahead = _best_seconds(forward)
-        took = _best_seconds(step)
-        for direction, call, spent in (
-            ("forward", attention[0], ahead),
-            ("backward", attention[-1], took - ahead),
-        ):
-            work[direction].append(call.flops)
-            seconds[direction].append(max(spent - overhead_s, spent * 0.1))
-        raw.append([heads, length, dim, ahead, took])
-        if took > SLOW_CALL_S and len(raw) >= 3:
-            break
+            with OpCostCounter() as counter:
+                step()
+            attention = [c for c in counter.costs.calls if c.name in ATTENTIONS]
+            ahead = _best_seconds(forward)
+            took = _best_seconds(step)
+            for direction, call, spent in (
+                ("forward", attention[0], ahead),
+                ("backward", attention[-1], took - ahead),
+            ):
+                for key in (direction, f"{direction}_d{dim}"):
+                    work.setdefault(key, []).append(call.flops)
+                    seconds.setdefault(key, []).append(max(spent - overhead_s, spent * 0.1))
+            raw.append([heads, length, dim, ahead, took])
+            if took > SLOW_CALL_S:
+                break
     efficiency, halves = {}, {}
-    for direction in work:
-        rate, half = fit_saturating(work[direction], seconds[direction])
-        efficiency[direction], halves[direction] = min(1.0, rate / peak), half
+    for key in work:
+        rate, half = fit_saturating(work[key], seconds[key])
+        efficiency[key], halves[key] = min(1.0, rate / peak), half
     return efficiency, halves, raw
 
 
@@ -259,9 +266,9 @@ def measure(threads: int) -> Roofline:
         for name, dtype in DTYPES.items():
             conv[name], conv_half[name], raw[f"conv_{name}"] = _conv(dtype, peaks[name], overhead)
             share, half, raw[f"attention_{name}"] = _attention(dtype, peaks[name], overhead)
-            for direction, suffix in (("forward", ""), ("backward", "_backward")):
-                attention[name + suffix] = share[direction]
-                attention_half[name + suffix] = half[direction]
+            for key in share:  # forward -> bf16, backward_d16 -> bf16_backward_d16
+                entry = name + key.removeprefix("forward").replace("backward", "_backward")
+                attention[entry], attention_half[entry] = share[key], half[key]
     finally:
         torch.set_num_threads(previous)
     return Roofline(

@@ -347,7 +347,9 @@ class Predictor:
                         break
                 step_start = len(self.log.events) if self.log is not None else 0
                 # The values mode records for the counter: no dispatch mode of its own.
-                counting = self.values.watching(counter.record) if self.values is not None else counter
+                counting = (
+                    self.values.watching(counter.record) if self.values is not None else counter
+                )
                 with counting if index == 0 else contextlib.nullcontext():
                     setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
         events: list[tuple[int, int]] = []
