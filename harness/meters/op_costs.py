@@ -224,8 +224,7 @@ class OpCostCounter(TorchDispatchMode):
         self.ranks = torch.distributed.get_world_size() if distributed else 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         self.record(func, args, kwargs, out)
         return out
 

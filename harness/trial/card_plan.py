@@ -9,8 +9,8 @@ choose alike (``Predictor.shares_trace``: the attention backends; the cuBLAS wor
 resized in the replay), so its allocations are replayed under each card's memory, context and
 budget and its ops priced on each card's roofline. A card whose step differs (another
 attention backend) gets a trace of its own, on the same build (``Predictor.retarget``). Every
-figure equals what ``harness estimate`` says
-for the point on that card (tests hold the two equal).
+figure equals what ``harness estimate`` says for the point on that card (tests hold the two
+equal).
 
 IN: ``{"device": "cuda"|"cpu", "configs": [TrialConfig dicts], "groups": [{"batches": {card:
 [batch sizes]}}], "cards": {name: Card dict}, "budgets": {name: bytes}}``, one group per config
@@ -40,9 +40,9 @@ def plan_group(
 ) -> dict[str, Any]:
     """Every (card, batch size) of group ``index``: one build, one warm-up and window per batch
     size and run of cards that share a trace (``Predictor.retarget`` between runs), smallest
-    batch first. Unless the request says
-    ``every``, a card whose prediction at one batch size exceeds its budget is not predicted at
-    larger ones (memory grows with the batch): those rows say which batch already did not fit."""
+    batch first. Unless the request says ``every``, a card whose prediction at one batch size
+    exceeds its budget is not predicted at larger ones (memory grows with the batch): those
+    rows say which batch already did not fit."""
     wanted = {name: set(sizes) for name, sizes in request["groups"][index]["batches"].items()}
     batches = sorted(set().union(*wanted.values()))
     cards = {name: Card.from_dict(data) for name, data in request.get("cards", {}).items()}

@@ -357,7 +357,7 @@ class Predictor:
             events = self.log.events[start:]
             self.window_made.update(ident for ident, size in events if size >= 0)
             if repeats is not None:  # after the first step, before anything filed later
-                events = [*self.log.events[start:first_end], *repeats, *self.log.events[first_end:]]
+                events[first_end - start : first_end - start] = repeats
         # This rank's parameters (frozen ones too) + a gradient for each trainable one + the
         # optimizer's persistent state.
         parameters = list(setup.model.parameters())
@@ -395,15 +395,15 @@ class Predictor:
         batch size's prediction), and the caching allocator's replay still sees every step.
         Tests hold the repeated steps equal to run ones on every shipped configuration."""
         assert self.log is not None
-        events = list(self.log.events)
+        events = self.log.events  # extended (a copy) only where a further step follows
         added: list[tuple[int, int]] = []
-        for _ in range(times):
+        for count in range(times):
             again = repeated_step(events, step_start)
             if again is None:
                 return None
-            step_start = len(events)
-            events.extend(again)
             added.extend(again)
+            if count + 1 < times:
+                step_start, events = len(events), [*events, *again]
         return added
 
     def figures(
