@@ -613,6 +613,19 @@ class Spec(Strict):
         return self
 
     @model_validator(mode="after")
+    def auto_needs_a_budget(self) -> Spec:
+        if self.device_memory is not None or self.card:
+            return self
+        for index, combination in enumerate(self.grid.strategy):
+            if combination.chooses_for_budget:
+                raise FieldProblem(
+                    ["grid", "strategy", index],
+                    f"{combination.text} chooses how much to recompute for device_memory, which "
+                    "is not set: set device_memory (e.g. 16GiB) or a card (e.g. h100-80gb)",
+                )
+        return self
+
+    @model_validator(mode="after")
     def card_is_known(self) -> Spec:
         """A catalogue card is checked here; one from ``cards`` once that file is read."""
         if self.card is not None and self.cards is None and self.card.lower() not in CATALOGUE:

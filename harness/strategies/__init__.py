@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ALL_DEVICES = ("cpu", "cuda")
+# In ``StrategyInfo.families``: any user model (``family: module:attr``).
+USER_FAMILY = "module:attr"
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class StrategyInfo:
     arg_type: type | None = None
     arg_optional: bool = False
     arg_max: float | None = None  # exclusive upper bound (fractions)
+    # The argument may be ``auto``: how much to do is chosen before training, from the
+    # estimator's predictions, for the trial's memory budget (``harness.trial.recompute``).
+    auto: bool = False
     devices: tuple[str, ...] = ALL_DEVICES
     group: str | None = None  # at most one strategy of a group per combination
     families: tuple[str, ...] | None = None  # None: every family
@@ -73,12 +78,15 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "checkpoint",
             "activation recomputation: keep only block inputs, recompute the rest in backward "
             "(transformer blocks, ResNet stages, MLP layers); `checkpoint:K` checkpoints segments of K "
-            "blocks (K = sqrt(n) is Chen et al.'s O(sqrt n)). Less activation memory, ~1/3 more compute",
+            "blocks (K = sqrt(n) is Chen et al.'s O(sqrt n)). Less activation memory, ~1/3 more "
+            "compute. `checkpoint:auto`: the fewest blocks (those that save most per recomputed "
+            "FLOP) whose predicted peak fits the budget",
             "checkpoint",
             "Checkpoint",
-            arg="blocks per segment",
+            arg="blocks per segment, or auto",
             arg_type=int,
             arg_optional=True,
+            auto=True,
             search_cost=1.4,
             keeps_block_inputs_only=True,
         ),
@@ -87,11 +95,44 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "selective activation checkpointing (PyTorch's policy API): each block's matmul, "
             "attention and convolution outputs are kept, the cheap ops between them recomputed "
             "in backward. Activation memory between none and checkpoint, less extra compute "
-            "than checkpoint",
+            "than checkpoint. `sac:auto`: the fewest blocks recomputed in full instead whose "
+            "predicted peak fits the budget",
             "selective",
             "SelectiveCheckpoint",
+            arg="auto",
+            arg_optional=True,
+            auto=True,
             conflicts=("checkpoint",),
             search_cost=1.5,
+        ),
+        _info(
+            "chunked_ce",
+            "a causal LM's output projection and cross-entropy over C chunks of tokens, each "
+            "chunk's logits recomputed in backward: no [batch, seq, vocab] logits (nor their "
+            "fp32 copy or gradient) alive beyond one chunk's; the same loss and gradients. "
+            "Default C: vocabulary / 16k, at least 2 (8 for Llama 3's 128k). Costs one more "
+            "output projection per step",
+            "chunked_loss",
+            "ChunkedCrossEntropy",
+            arg="chunks",
+            arg_type=int,
+            arg_optional=True,
+            group="loss",
+            families=("gpt", "hf", USER_FAMILY),
+            conflicts=("compile",),
+        ),
+        _info(
+            "fused_ce",
+            "Liger's fused linear cross-entropy (liger-kernel, Triton): projection and loss "
+            "in one CUDA kernel that never materialises the logits. CUDA only; not "
+            "predictable (Triton kernels do not run on fake tensors): predict chunked_ce",
+            "chunked_loss",
+            "FusedCrossEntropy",
+            devices=("cuda",),
+            group="loss",
+            families=("gpt", "hf", USER_FAMILY),
+            conflicts=("compile",),
+            unpredictable="Liger's Triton kernels cannot run on fake tensors",
         ),
         _info(
             "lora",

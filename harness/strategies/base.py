@@ -6,6 +6,8 @@ A strategy overrides only the hooks it needs, so strategies compose by being app
 1. ``environment()`` - before anything touches CUDA (allocator settings).
 2. ``prepare_model(model, ctx)`` - after the model is built and moved to the device, before
    the optimizer exists (checkpointing, low-precision parameters, pruning, compilation).
+   ``prepare_task(task, model, ctx)`` - then: may replace how the model is called and what its
+   loss is (``chunked_ce``'s loss over chunks of tokens).
    ``shard_options()`` - asked before that: arguments other strategies add to FSDP's
    ``fully_shard`` (``fsdp_mixed``'s mixed-precision policy, ``fsdp_offload``'s CPU offload).
 3. ``optimizer(settings, ctx)`` - may replace the optimizer settings (sgd, adafactor, ...).
@@ -73,6 +75,10 @@ class Strategy:
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         return model
+
+    def prepare_task(self, task: Any, model: nn.Module, ctx: TrialContext) -> Any:
+        """The task the step runs (``harness.workloads.task.Task``), after ``prepare_model``."""
+        return task
 
     def shard_options(self, ctx: TrialContext) -> dict[str, Any]:
         return {}

@@ -106,14 +106,119 @@ def enable_hf_checkpointing(model: nn.Module, **options: Any) -> None:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+# A block's recomputation under ``:auto``: kept (saved for backward as usual), recomputed in
+# full, or under ``sac``'s policy.
+KEEP, FULL, SAC = "keep", "full", "sac"
+
+
+class BlockRecomputation:
+    """Each repeated block's recomputation, switchable per block after the model is built:
+    ``checkpoint:auto`` and ``sac:auto`` try one plan after another on the same (fake) model,
+    and the trial applies the chosen one to the real model.
+
+    Every block's ``forward`` is wrapped once; at each call it reads its block's mode. The
+    modes are a tuple of ``KEEP``, ``FULL``, ``SAC``, one per block in execution order."""
+
+    def __init__(self, blocks: list[nn.Module], sac_options: dict[str, Any]) -> None:
+        self.blocks = blocks
+        self.sac_options = sac_options
+        self.modes: tuple[str, ...] = (FULL,) * len(blocks)
+        for index, block in enumerate(blocks):
+            block.forward = functools.partial(self._run, index, block.forward)
+
+    def _run(self, index: int, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = self.modes[index]
+        if mode == KEEP:
+            return forward(*args, **kwargs)
+        options = self.sac_options if mode == SAC else {}
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+
+    def describe(self) -> str:
+        return describe(self.modes)
+
+
+def describe(modes: tuple[str, ...]) -> str:
+    """Which blocks do what, e.g. ``full: 0-2; keep: 3-7``."""
+    parts = []
+    for mode in (FULL, SAC, KEEP):
+        indices = [i for i, m in enumerate(modes) if m == mode]
+        if indices:
+            parts.append(f"{mode}: {spans(indices)}")
+    return "; ".join(parts)
+
+
+def spans(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
 class Checkpoint(Strategy):
     name = "checkpoint"
+    # Under ``:auto``, what the blocks not recomputed in full do.
+    rest_mode = KEEP
+
+    def __init__(self, arg: str | None = None) -> None:
+        super().__init__(arg)
+        self.auto = (arg or "").strip() == "auto"
+        # ``:auto``: the plan to apply (chosen by ``harness.trial.recompute`` before training;
+        # None: every block recomputed in full, the most memory it can save) and the blocks
+        # of the model it was last applied to.
+        self.modes: tuple[str, ...] | None = None
+        self.recomputation: BlockRecomputation | None = None
+        self.order: list[int] | None = None  # blocks in the order auto recomputes them
 
     def checkpoint_options(self) -> dict[str, Any]:
         """Extra arguments of ``torch.utils.checkpoint.checkpoint`` (none: full recomputation)."""
         return {}
 
+    def sac_options(self) -> dict[str, Any]:
+        """The arguments of a block in ``SAC`` mode (``sac``'s policy; ``checkpoint`` has
+        none)."""
+        return {}
+
+    def set_modes(self, modes: tuple[str, ...] | None) -> None:
+        """``:auto``: the plan for this and every later model (None: all in full)."""
+        self.modes = modes
+        if self.recomputation is not None:
+            count = len(self.recomputation.blocks)
+            self.recomputation.modes = modes or (FULL,) * count
+
+    def plan(self, full: list[int], count: int) -> tuple[str, ...]:
+        """The blocks ``full`` recomputed in full, the others ``rest_mode``."""
+        chosen = set(full)
+        return tuple(FULL if i in chosen else self.rest_mode for i in range(count))
+
+    def prepare_auto(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
+        where, blocks = repeated_blocks(model)
+        self.recomputation = BlockRecomputation(blocks, self.sac_options())
+        self.set_modes(self.modes)
+        modes = self.recomputation.modes
+        full = modes.count(FULL)
+        rest = len(blocks) - full
+        others = (
+            ""
+            if not rest
+            else f", the other {rest} "
+            + ("under sac's policy" if self.rest_mode == SAC else "kept")
+        )
+        ctx.notes["checkpoint_blocks"] = (
+            f"{where}: {full} of {len(blocks)} x {type(blocks[0]).__name__} recomputed in "
+            f"full{others}"
+        )
+        ctx.notes["checkpoint_segments"] = sum(m != KEEP for m in modes)
+        ctx.notes["checkpoint_full_blocks"] = full
+        ctx.notes["checkpoint_policy"] = f"{self.name}:auto ({self.recomputation.describe()})"
+        return model
+
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
+        if self.auto:
+            return self.prepare_auto(model, ctx)
         per_segment = int(self.arg) if self.arg else 1
         where, blocks = repeated_blocks(model)
         what = f"{where}: {len(blocks)} x {type(blocks[0]).__name__}"

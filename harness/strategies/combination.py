@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harness.strategies import ALIASES, STRATEGIES, StrategyInfo
+from harness.strategies import ALIASES, STRATEGIES, USER_FAMILY, StrategyInfo
 
 if TYPE_CHECKING:
     from harness.strategies.base import Strategy
@@ -44,6 +44,10 @@ class Term:
             raise ValueError(f"strategy {name!r} takes no argument (got {written!r})")
         if info.arg is not None and (not sep or not arg) and not info.arg_optional:
             raise ValueError(f"strategy {name!r} needs an argument: {name}:<{info.arg}>")
+        if info.auto and arg.strip() == "auto":
+            return cls(name, arg)
+        if info.arg_type is None and arg:
+            raise ValueError(f"strategy {name!r}: the argument may only be auto (got {arg!r})")
         if info.arg is not None and arg and info.arg_type is not None:
             try:
                 value = info.arg_type(arg)
@@ -72,6 +76,11 @@ class Term:
     def given(self) -> str | None:
         """The argument the strategy receives: None where none was given."""
         return self.arg or None
+
+    @property
+    def auto(self) -> bool:
+        """``checkpoint:auto``, ``sac:auto``: chosen for the memory budget before training."""
+        return self.info.auto and (self.arg or "").strip() == "auto"
 
     @property
     def number(self) -> int | None:
@@ -167,6 +176,11 @@ class Combination:
         return step
 
     @property
+    def chooses_for_budget(self) -> bool:
+        """Whether a term is ``auto``: the trial needs a memory budget to choose for."""
+        return any(term.auto for term in self.terms)
+
+    @property
     def needs_process_group(self) -> bool:
         """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``, ``N = 1`` included."""
         return self.has_group("parallel")
@@ -184,7 +198,8 @@ class Combination:
                     )
             if dtype in info.bad_dtypes:
                 raise ValueError(f"strategy {term.name!r} cannot be combined with dtype {dtype!r}")
-            if info.families is not None and family not in info.families:
+            user_ok = ":" in family and USER_FAMILY in (info.families or ())
+            if info.families is not None and family not in info.families and not user_ok:
                 raise ValueError(
                     f"strategy {term.name!r} only applies to model families {', '.join(info.families)} (not {family!r})"
                 )

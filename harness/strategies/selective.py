@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from harness.strategies.checkpoint import Checkpoint
+from harness.strategies.checkpoint import SAC, Checkpoint
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset(
@@ -41,8 +41,20 @@ def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def sac_options() -> dict[str, Any]:
+    """``torch.utils.checkpoint.checkpoint``'s arguments for the policy."""
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls)}
+
+
 class SelectiveCheckpoint(Checkpoint):
+    """``sac``; ``sac:auto``: every block under the policy except the fewest recomputed in full
+    that bring the predicted peak within the budget."""
+
     name = "sac"
+    rest_mode = SAC
 
     def checkpoint_options(self) -> dict[str, Any]:
-        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls)}
+        return sac_options()
+
+    def sac_options(self) -> dict[str, Any]:
+        return sac_options()

@@ -50,6 +50,7 @@ from harness.trial.fake import (
     libraries_run_eagerly,
 )
 from harness.trial.prediction import CardFigures, Prediction, SpeedFigures
+from harness.trial.recompute import auto_strategy, choose
 from harness.trial.setup import Setup, build_setup
 from harness.trial.target import CudaTarget, cuda_rules, cuda_target, target_note
 from harness.units import format_bytes
@@ -75,7 +76,14 @@ def estimate_peak(
     same prediction, so all take the same feasibility decision. ``strategies``: the trial's
     own strategy objects (``run.train`` builds them once), else built here.
     """
-    with Predictor(config, device, as_cuda, strategies=strategies) as predictor:
+    strategies = strategies or config.strategy.build()
+    auto = auto_strategy(strategies)
+    # checkpoint:auto / sac:auto try several plans on one build, each warmed up afresh.
+    with Predictor(
+        config, device, as_cuda, strategies=strategies, rewarm=auto is not None
+    ) as predictor:
+        if auto is not None:
+            return choose(predictor, config.batch_size, predictor.budget())
         return predictor.predict(config.batch_size)
 
 
@@ -238,6 +246,19 @@ class Predictor:
         if self.log is not None:
             self.history_end = len(self.log.events)
             self.history_live = set(self.log.live_ids())
+
+    def budget(self) -> int | None:
+        """The bytes a trial of this configuration may use (``device_memory``, else a CUDA
+        target's card memory), judged as the trial judges them."""
+        if self.target is not None:
+            return self.target.budget(self.config)
+        return self.config.device_memory_bytes
+
+    def replanned(self) -> None:
+        """The step changed (another recomputation plan, ``harness.trial.recompute``): the
+        next prediction warms up again under it, as a fresh process would, where the warm-up
+        shapes what is predicted (a CUDA target's allocator history)."""
+        self.warmed_at = None
 
     def rewarmed(self, batch_size: int) -> bool:
         """Back to the state the build left (no gradients, no optimizer state), then warmed up
@@ -620,7 +641,8 @@ def closed_form(config: TrialConfig, prediction: Prediction) -> dict[str, float]
     frozen_bytes = nf4 * NF4_BYTES_PER_PARAM + (frozen - nf4) * base_bytes
     out = {"closed_form_model_state_bytes": (num_params * (8 + state) + frozen_bytes) * scale}
     knobs = config.knobs
-    if {"n_layer", "d_model", "n_head", "seq_len"} <= knobs.keys():
+    chosen = config.strategy.chooses_for_budget  # its plan is the prediction's, not a formula's
+    if {"n_layer", "d_model", "n_head", "seq_len"} <= knobs.keys() and not chosen:
         s, b, h, a = knobs["seq_len"], config.batch_size, knobs["d_model"], knobs["n_head"]
         per_layer = (
             2 * s * b * h

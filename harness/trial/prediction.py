@@ -165,6 +165,8 @@ class Prediction:
     on_card: CardFigures | None = None  # a CUDA target's card
     speed: SpeedFigures | None = None  # the step's predicted time
     replay: Replayable | None = field(default=None, compare=False, repr=False)
+    # checkpoint:auto / sac:auto: the plan chosen for the budget and why ("" without one).
+    recomputation: str = ""
 
     @classmethod
     def refused(cls, reason: str) -> Prediction:
@@ -212,6 +214,8 @@ class Prediction:
             out.update(self.on_card.to_dict())
         if self.speed is not None:
             out.update(self.speed.to_dict())
+        if self.recomputation:
+            out["recomputation"] = self.recomputation
         return out
 
     @classmethod
@@ -243,6 +247,7 @@ class Prediction:
             totals=get("totals"),
             on_card=CardFigures.from_dict(data),
             speed=SpeedFigures.from_dict(data),
+            recomputation=get("recomputation") or "",
         )
 
 

@@ -153,6 +153,8 @@ def predict(
     peak = prediction.peak_bytes
     assert peak is not None
     measured.metrics["predicted_peak_bytes"] = peak
+    if prediction.recomputation:  # checkpoint:auto / sac:auto: the plan chosen, and why
+        measured.info["recomputation"] = prediction.recomputation
     speed = prediction.speed
     if speed is not None:  # the timed window compares (step_time_ratio) and derives mfu
         measured.metrics["predicted_step_time_ms"] = speed.step_time_ms
@@ -173,9 +175,13 @@ def predict(
     judged = card.device_bytes if card is not None else peak  # CUDA: what the card holds
     if budget is not None and judged > budget:
         what = "device bytes (reserved + context)" if card is not None else "peak"
+        smallest = (
+            " (the smallest reachable: every block recomputed)" if prediction.recomputation else ""
+        )
         raise TrialFailure(
             Status.INFEASIBLE,
-            f"predicted {what} {format_bytes(judged)} exceeds device_memory {format_bytes(budget)}",
+            f"predicted {what} {format_bytes(judged)}{smallest} exceeds device_memory "
+            f"{format_bytes(budget)}",
         )
     reason = host_guard(peak, device)
     if reason:

@@ -147,6 +147,9 @@ def build_setup(
     model = convert(workload.model, device, materialize_meta=estimating)
     for strategy in strategies:
         model = strategy.prepare_model(model, context)
+    task = workload.task
+    for strategy in strategies:
+        task = strategy.prepare_task(task, model, context)
     optimizer_settings = config.optimizer
     for strategy in strategies:
         optimizer_settings = strategy.optimizer(optimizer_settings, context)
@@ -168,7 +171,7 @@ def build_setup(
         strategies=strategies,
         context=context,
         model=model,
-        task=workload.task,
+        task=task,
         optimizer=optimizer,
         micro_batches=math.prod(s.micro_batches() for s in strategies),
         set_to_none=all(s.zero_grad_set_to_none() for s in strategies),
