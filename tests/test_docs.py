@@ -102,7 +102,9 @@ def test_results_columns_and_dtypes_are_the_documented_ones():
                 "device_memory_bytes": "1024", "knob_width": "16", "attempts": "1",
                 "torch_threads": "2", "device_name": "cpu", "torch_version": "2",
                 "throughput_unit": "samples/s", "git_commit": "abc", "trial_wall_time_s": "1.5",
-                "failure_reason": "",
+                "failure_reason": "", "checkpoint_full_blocks": "2", "checkpoint_segments": "4",
+                "checkpoint_policy": "checkpoint:auto (full: 0-1; keep: 2-3)", "loss_chunks": "8",
+                "recomputation": "checkpoint:auto for 1.00 GiB: ...",
             }
         ]
     )  # fmt: skip
@@ -115,7 +117,9 @@ def test_results_columns_and_dtypes_are_the_documented_ones():
 
     rest = [c for c in frame.columns if c not in ID_COLUMNS and c not in METRICS]
     assert [c.replace("knob_width", "knob_*") for c in rest] == documented
-    for column in ("batch_size", "attempts", "device_memory_bytes", "torch_threads", "knob_width"):
+    integers = ("batch_size", "attempts", "device_memory_bytes", "torch_threads", "knob_width",
+                "checkpoint_full_blocks", "checkpoint_segments", "loss_chunks")  # fmt: skip
+    for column in integers:
         assert str(frame[column].dtype) == "Int64", column
     assert str(frame["foreach"].dtype) == "boolean"
     for column in ("lr", "trial_wall_time_s", "peak_allocated_bytes"):

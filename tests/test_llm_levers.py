@@ -18,6 +18,7 @@ from harness.strategies.base import StrategyError, TrialContext
 from harness.strategies.chunked_loss import ChunkedCrossEntropy, default_chunks
 from harness.strategies.combination import Combination
 from harness.trial.estimate import estimate_peak
+from harness.trial.fit import fit_config
 from harness.trial.run import run_trial
 from harness.units import format_bytes
 from harness.workloads.gpt import GPT
@@ -295,3 +296,104 @@ def test_auto_refusals_are_one_line_at_validation(entry, device_memory, words):
         data["device_memory"] = device_memory
     with pytest.raises(SpecError, match=words):
         trial_configs(parse_spec(data))
+
+
+def test_fit_answers_the_largest_batch_then_the_least_recomputation_there():
+    """``harness fit``'s order: the largest batch that fits with every block recomputed, then
+    at that batch the fewest blocks in full; the answer's figures are that plan's, what a
+    trial at that batch and budget predicts."""
+    config = trial_configs(parse_spec(gpt_spec("checkpoint:auto", 2**30)))[0]
+    budget = 13 * 2**20
+    (row,) = fit_config(config, "batch_size", [budget], 64, torch.device("cpu"))
+    value = row["value"]
+    full = fit_config(
+        replace(config, strategy=Combination.parse(["checkpoint"])),
+        "batch_size",
+        [budget],
+        64,
+        torch.device("cpu"),
+    )[0]["value"]
+    assert value == full  # the batch is full recomputation's
+    trial_at = estimate_peak(
+        replace(config, batch_size=value, device_memory_bytes=budget), torch.device("cpu")
+    )
+    assert row["predicted_peak_bytes"] == trial_at.peak_bytes <= budget
+    assert row["recomputation"].split(";")[0] == trial_at.recomputation.split(";")[0]
+
+
+def test_plan_chooses_each_cards_recomputation_as_an_estimate_for_that_card_does():
+    """CUDA targets: the plan traces each recomputation plan once for every card that shares
+    the step and chooses per card, under each card's budget (the device figure: reserved +
+    context); every figure equals a fresh estimate's for that card and budget."""
+    from harness.cuda.cards import CATALOGUE
+    from harness.trial.card_plan import plan_group
+
+    data = gpt_spec("checkpoint:auto", 2**30, d_model=64, batch_size=8)
+    data.update(device="cuda", card="a100-80gb")
+    config = trial_configs(parse_spec(data))[0]
+    cards = ("a100-80gb", "h100-80gb")
+    cpu = torch.device("cpu")
+
+    def device_bytes(strategy, card):
+        point = replace(
+            config,
+            strategy=Combination.parse([strategy]),
+            card=CATALOGUE[card].to_dict(),
+            device_memory_bytes=CATALOGUE[card].memory_bytes,
+        )
+        prediction = estimate_peak(point, cpu, as_cuda=True)
+        assert prediction.on_card is not None
+        return prediction.on_card.device_bytes
+
+    budgets = {
+        card: int((device_bytes("none", card) + device_bytes("checkpoint", card)) / 2)
+        for card in cards
+    }
+    request = {
+        "cards": {name: CATALOGUE[name].to_dict() for name in cards},
+        "budgets": budgets,
+        "groups": [{"batches": {name: [8] for name in cards}}],
+    }
+    rows = plan_group(config, 0, request, cpu, True)["rows"]
+    for row in rows:
+        card = row["card"]
+        point = replace(config, card=CATALOGUE[card].to_dict(), device_memory_bytes=budgets[card])
+        fresh = estimate_peak(point, cpu, as_cuda=True)
+        assert row["predicted_device_bytes"] == fresh.on_card.device_bytes <= budgets[card]
+        assert row["predicted_peak_bytes"] == fresh.peak_bytes
+        assert row["recomputation"].split(";")[0] == fresh.recomputation.split(";")[0]
+        assert "of 8 blocks in full, the fewest that fit" in row["recomputation"]
+
+
+def predicted(data, strategy):
+    config = trial_configs(parse_spec(data))[0]
+    config = replace(config, strategy=Combination.parse(strategy))
+    return estimate_peak(config, torch.device("cpu")).peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "others",
+    [["accumulate:2"], ["bf16_params", "chunked_ce"], ["fsdp:2", "chunked_ce"]],
+    ids=["accumulate", "bf16_params+chunked_ce", "fsdp+chunked_ce"],
+)
+def test_auto_composes_with_the_strategies_the_table_says(others, tmp_path):
+    """Between the combination's peaks with and without full checkpointing: the trial fits,
+    recomputes fewer blocks than all, and measures what it predicted (fsdp: each rank)."""
+    from harness.sweep.launch import launch_trial
+
+    data = gpt_spec(["checkpoint:auto", *others], 2**30)
+    high, low = predicted(data, others), predicted(data, [*others, "checkpoint"])
+    budget = int(low + 0.5 * (high - low))
+    config = trial_configs(parse_spec(gpt_spec(["checkpoint:auto", *others], budget)))[0]
+    if config.world_size > 1:
+        result = launch_trial(config, tmp_path / "trial", timeout_s=300)
+    else:
+        result = run_trial(config)
+    assert result.status == "ok", result.failure_reason
+    metrics = result.metrics
+    assert metrics["peak_allocated_bytes"] <= budget
+    assert metrics["predicted_peak_bytes"] == pytest.approx(
+        metrics["peak_allocated_bytes"], rel=0.01
+    )
+    assert 0 < int(result.info["checkpoint_full_blocks"]) < 8

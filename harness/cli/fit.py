@@ -171,3 +171,17 @@ def show_fit(
     )
     for note in sorted({n for n in frame.get("note", []) if isinstance(n, str)}):
         console.print(f"prediction: {note}", soft_wrap=True, highlight=False)
+    if "recomputation" in frame:  # checkpoint:auto / sac:auto: the plan at each answer
+        console.print(
+            "auto recomputation: the largest batch that fits with every block recomputed, then "
+            "the fewest blocks recomputed in full at that batch:",
+            soft_wrap=True,
+            highlight=False,
+        )
+        for record in frame.dropna(subset=["recomputation"]).to_dict("records"):
+            console.print(
+                f"  {record['model_size']} {record['dtype']} {record['strategy']} at "
+                f"{int(record['value'])}: {record['recomputation']}",
+                soft_wrap=True,
+                highlight=False,
+            )

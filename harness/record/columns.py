@@ -44,6 +44,13 @@ TAGS: dict[str, type] = {
     "throughput_unit": str,
     "git_commit": str,
     "attempts": int,
+    # What a strategy chose or did: checkpoint:auto / sac:auto's blocks recomputed in full,
+    # every checkpointed block, the plan and why; chunked_ce's chunks.
+    "checkpoint_full_blocks": int,
+    "checkpoint_segments": int,
+    "checkpoint_policy": str,
+    "recomputation": str,
+    "loss_chunks": int,
 }
 
 # The table's fixed leading columns (the grid's axes and the trial's identity), in order;

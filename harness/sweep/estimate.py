@@ -48,6 +48,7 @@ COLUMNS = [
     "trial_key",
     "estimate_seconds",
     *(outcome.value for outcome in FAILURES),  # refused, unpredictable: why a row has none
+    "recomputation",  # checkpoint:auto / sac:auto: the plan chosen for the budget, and why
     "note",
 ]
 

@@ -30,6 +30,7 @@ from harness.cuda.cards import Card
 from harness.trial.config import TrialConfig
 from harness.trial.estimate import Predictor, closed_form, device_note
 from harness.trial.prediction import Prediction
+from harness.trial.recompute import auto_strategy, choose, choose_on
 from harness.units import format_bytes
 
 CPU = "cpu"  # the card name of a CPU target
@@ -65,7 +66,12 @@ def plan_group(
         cpu = torch.device("cpu")
         with Predictor(replace(config, batch_size=batches[0]), cpu, False) as predictor:
             for batch in sorted(wanted[CPU]):
-                if CPU not in over:
+                if CPU in over:
+                    continue
+                if auto_strategy(predictor.strategies) is not None:
+                    budget = budgets.get(CPU) or config.device_memory_bytes
+                    predicted(CPU, batch, choose(predictor, batch, budget))
+                else:
                     predicted(CPU, batch, predictor.predict(batch))
     pending = [cards[name] for name in wanted if name != CPU]
     strategies = config.strategy.build()
@@ -87,7 +93,7 @@ def plan_group(
                 live = [c for c in live if c.name not in missed]
                 if not live:
                     continue
-                answers = predictor.predict_on(batch, live, budgets)
+                answers = on_cards(predictor, batch, live, budgets)
                 for card in live:
                     if card.name in answers:
                         predicted(card.name, batch, answers[card.name])
@@ -121,6 +127,18 @@ def plan_group(
                 rows.append({"trial_key": point.trial_key, "batch_size": batch, "card": name,
                              "skipped": over[name]})  # fmt: skip
     return {"rows": rows}
+
+
+def on_cards(
+    predictor: Predictor, batch: int, cards: list[Card], budgets: dict[str, int | None]
+) -> dict[str, Prediction]:
+    """``Predictor.predict_on``; for ``checkpoint:auto`` / ``sac:auto``, each card's least
+    recomputation that fits its budget, every plan tried traced once for all the cards that
+    share it (``harness.trial.recompute.choose_on``)."""
+    if auto_strategy(predictor.strategies) is None:
+        return predictor.predict_on(batch, cards, budgets)
+    limits = {card.name: float(budgets.get(card.name) or card.memory_bytes) for card in cards}
+    return choose_on(predictor, lambda: predictor.predict_on(batch, cards, budgets), batch, limits)
 
 
 def judged(prediction: Prediction) -> float | None:

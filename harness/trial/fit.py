@@ -39,6 +39,7 @@ from harness.cuda.device_memory import DeviceMemory
 from harness.trial.config import TrialConfig
 from harness.trial.estimate import Predictor, replay_for_budget
 from harness.trial.prediction import PEAK, Prediction
+from harness.trial.recompute import auto_strategy, choose
 from harness.trial.tool import serve
 
 AXES = ("batch_size", "seq_len")
@@ -320,15 +321,49 @@ def fit_config(
     """One row per budget: the answer, the predicted peak and breakdown at it and at the next
     allowed value, the margin left, how many predictions it took."""
     step = axis_step(config, axis)
+    auto = config.strategy.chooses_for_budget
     with contextlib.ExitStack() as stack:
         if axis == "batch_size":  # one model, built once, predicted at every batch size
+            # checkpoint:auto / sac:auto: the curve is every block recomputed (the most that
+            # fits); at each answer, the least recomputation (another plan: warmed up afresh).
             predictor = stack.enter_context(
-                Predictor(at_value(config, axis, step), device, as_cuda, steps_run=1, totals=True)
+                Predictor(
+                    at_value(config, axis, step),
+                    device,
+                    as_cuda,
+                    steps_run=1,
+                    totals=True,
+                    rewarm=auto,
+                )
             )
             curve = Curve(predictor.predict, step)
+            least = least_recomputation(predictor) if auto else None
         else:  # the sequence length shapes the model: each value builds its own
             curve = Curve(lambda v: predict_fresh(at_value(config, axis, v), device, as_cuda), step)
-        return answers(curve, budgets, maximum, quadratic=axis == "seq_len")
+            least = None
+        return answers(curve, budgets, maximum, quadratic=axis == "seq_len", least=least)
+
+
+def least_recomputation(predictor: Predictor) -> Callable[[int, int], Prediction]:
+    """``checkpoint:auto`` / ``sac:auto`` at an answer: the least recomputation that fits the
+    budget at that batch (``harness.trial.recompute``), the predictor then back on every block
+    recomputed, the plan the curve is made of.
+
+    Why the batch first: the largest batch that fits at all is found with every block
+    recomputed, then the least recomputation at that batch. A larger batch keeps a GPU busier
+    (fewer optimizer steps per sample, larger matmuls) for what full recomputation costs at
+    most, one more forward per step (about a third); the reverse order would fix the
+    recomputation first and give up batch for it."""
+    strategy = auto_strategy(predictor.strategies)
+
+    def at(batch: int, budget: int) -> Prediction:
+        chosen = choose(predictor, batch, budget)
+        if strategy is not None and strategy.modes is not None:
+            strategy.set_modes(None)
+            predictor.replanned()
+        return chosen
+
+    return at
 
 
 def predict_fresh(config: TrialConfig, device: torch.device, as_cuda: bool) -> Prediction:
@@ -338,7 +373,11 @@ def predict_fresh(config: TrialConfig, device: torch.device, as_cuda: bool) -> P
 
 
 def answers(
-    curve: Curve, budgets: list[int], maximum: int, quadratic: bool
+    curve: Curve,
+    budgets: list[int],
+    maximum: int,
+    quadratic: bool,
+    least: Callable[[int, int], Prediction] | None = None,
 ) -> list[dict[str, Any]]:
     """``fit_config``'s rows, from its curve."""
     first = curve(probe_values(curve.step, maximum, quadratic)[0])
@@ -361,6 +400,12 @@ def answers(
             fields = at.to_dict()
             row.update({k: v for k, v in fields.items() if k.startswith("predicted_")})
             row.update({k: fields[k] for k in ("card", "note") if k in fields})
+            if least is not None:  # auto: the least recomputation at this batch is the answer's
+                chosen = least(value, budget)
+                if chosen.ok:
+                    at, fields = chosen, chosen.to_dict()
+                    row.update({k: v for k, v in fields.items() if k.startswith("predicted_")})
+                    row["recomputation"] = chosen.recomputation
             if (at.judged_bytes or 0) > budget:  # fits only by freeing the cache and retrying
                 bounded = curve.within(value, budget)
                 if bounded is not None:
