@@ -384,7 +384,8 @@ def test_auto_composes_with_the_strategies_the_table_says(others, tmp_path):
 
     data = gpt_spec(["checkpoint:auto", *others], 2**30)
     high, low = predicted(data, others), predicted(data, [*others, "checkpoint"])
-    budget = int(low + 0.5 * (high - low))
+    # Between two plans' peaks (they fall linearly here: half way is a plan's own peak).
+    budget = int(low + 0.45 * (high - low))
     config = trial_configs(parse_spec(gpt_spec(["checkpoint:auto", *others], budget)))[0]
     if config.world_size > 1:
         result = launch_trial(config, tmp_path / "trial", timeout_s=300)

@@ -75,12 +75,15 @@ def fit_configs(
 
 def likely_cost(config: TrialConfig) -> float:
     """A configuration's search time relative to the same model without strategies (each
-    strategy's ``search_cost``, times K for one that runs K micro-batches a step)."""
+    strategy's ``search_cost``, times K for one that runs K micro-batches a step, twice for
+    an ``auto`` one)."""
     cost = 1.0
     for term in config.strategy:
         cost *= term.info.search_cost
         if term.info.micro_batches_from_arg and term.number is not None:
             cost *= term.number
+        if term.auto:  # a choice of plan at each answer: ~4 more predictions per budget
+            cost *= 2
     return cost
 
 

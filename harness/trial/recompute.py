@@ -109,18 +109,26 @@ def block_order(predictor: Any, batch_size: int) -> list[int]:
     return sorted(range(len(blocks)), key=rank)
 
 
-def smallest_fitting(peak_at: Callable[[int], float | None], count: int, budget: float) -> int:
-    """The fewest blocks in full (0..``count``) whose peak fits ``budget``, knowing ``count``
-    fits and 0 does not: the line through the two ends aims a guess (a transformer's blocks
+def fits_budget(prediction: Prediction | None, budget: float) -> bool:
+    """Whether a prediction fits ``budget`` as the trial judges it; one replayed without a cap
+    (``harness fit``'s, which judges every budget itself) may still fit by the allocator's
+    freeing its cache and retrying, which its replay under the cap says."""
+    if prediction is None or not prediction.ok or prediction.judged_bytes is None:
+        return False
+    if prediction.judged_bytes <= budget:
+        return True
+    return prediction.replay is not None and prediction.replay.capped(int(budget)) is not None
+
+
+def smallest_fitting(
+    peak_at: Callable[[int], float | None], fits: Callable[[int], bool], count: int, budget: float
+) -> int:
+    """The fewest blocks in full (0..``count``) that fit ``budget``, knowing ``count`` fits
+    and 0 does not: the line through the two ends' peaks aims a guess (a transformer's blocks
     save alike, so the peak falls about linearly), its neighbour confirms it, bisection
     between what fits and what does not finishes. A linear model: two more predictions."""
     low, high = 0, count  # low does not fit, high does
     peak_low, peak_high = peak_at(low) or math.inf, peak_at(high) or 0.0
-
-    def fits(full: int) -> bool:
-        peak = peak_at(full)
-        return peak is not None and peak <= budget
-
     if high - low > 1 and peak_low > peak_high:
         guess = low + math.ceil((peak_low - budget) / (peak_low - peak_high) * (high - low))
         guess = min(max(guess, low + 1), high - 1)
@@ -203,15 +211,17 @@ def choose_on(
             prediction = at(full).get(card)
             return prediction.judged_bytes if prediction is not None and prediction.ok else None
 
-        judged = peak_at(count)
-        if judged is None:
+        def fits(full: int, card: str = card, budget: float = budget) -> bool:
+            return fits_budget(at(full).get(card), budget)
+
+        if peak_at(count) is None:
             continue
-        if judged > budget:
+        if not fits(count):
             chosen[card] = (count, "nothing fits, every block recomputed: the smallest peak")
-        elif (peak_at(0) or math.inf) <= budget:
+        elif fits(0):
             chosen[card] = (0, "no block needs recomputing in full")
         else:
-            full = smallest_fitting(peak_at, count, budget)
+            full = smallest_fitting(peak_at, fits, count, budget)
             chosen[card] = (full, f"{full} of {count} blocks in full, the fewest that fit")
     out = dict(most)
     for card, (full, why) in chosen.items():
