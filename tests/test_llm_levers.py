@@ -262,14 +262,25 @@ def llama_spec(strategy, budget=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("share", [0.4, 0.7])
 @pytest.mark.parametrize(
-    "adapters", [["lora:8"], ["qlora:8", "chunked_ce"]], ids=["lora", "qlora+chunked_ce"]
+    ("adapters", "auto", "upper"),
+    [
+        (["lora:8"], "checkpoint:auto", "none"),
+        (["qlora:8", "chunked_ce"], "checkpoint:auto", "none"),
+        (["lora:8"], "sac:auto", "sac"),
+    ],
+    ids=["lora", "qlora+chunked_ce", "lora+sac"],
 )
-def test_auto_on_a_held_out_llama_with_adapters_fits_with_fewer_blocks(adapters, share):
+def test_auto_on_a_held_out_llama_with_adapters_fits_with_fewer_blocks(
+    adapters, auto, upper, share
+):
+    """Between the adapters' peaks with ``upper`` (no recomputation, or sac's policy) and
+    with transformers' own full checkpointing."""
     pytest.importorskip("peft")
-    high = measured_peak(llama_spec(adapters))
+    with_upper = adapters if upper == "none" else [*adapters, upper]
+    high = measured_peak(llama_spec(with_upper))
     low = measured_peak(llama_spec([*adapters, "checkpoint"]))
     budget = low + share * (high - low)
-    check_auto(llama_spec([*adapters, "checkpoint:auto"], budget), budget, blocks=4)
+    check_auto(llama_spec([*adapters, auto], budget), budget, blocks=4)
 
 
 @pytest.mark.slow

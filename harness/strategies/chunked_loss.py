@@ -23,6 +23,7 @@ attribute ``lm_head``, ``head`` or ``output`` of the model (or of the model a wr
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -217,8 +218,8 @@ class FusedCrossEntropy(ChunkedCrossEntropy):
 
 
 def _liger() -> Any:
-    try:
-        import liger_kernel.transformers as liger
+    try:  # an optional package, not installed by make: imported by name
+        liger = importlib.import_module("liger_kernel.transformers")
     except ImportError as error:
         raise StrategyError(
             f"fused_ce needs liger-kernel (pip install liger-kernel): {error}"
