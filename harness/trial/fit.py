@@ -407,7 +407,10 @@ def answers(
                     row.update({k: v for k, v in fields.items() if k.startswith("predicted_")})
                     row["recomputation"] = chosen.recomputation
             if (at.judged_bytes or 0) > budget:  # fits only by freeing the cache and retrying
-                bounded = curve.within(value, budget)
+                if at is curve(value):
+                    bounded = curve.within(value, budget)
+                else:  # auto's chosen plan: its own replay under the cap
+                    bounded = replay_for_budget(at.replay, budget) if at.replay else None
                 if bounded is not None:
                     row.update(bounded.metrics())
                     row["predicted_peak_bytes"] = float(bounded.allocated)
