@@ -37,6 +37,9 @@ OPTIMIZER_STATE_BYTES = {
 DEFAULT_TEST_FRACTION = 0.2
 
 # The largest value `harness fit` and `batch_size: [max]` try on an axis without `--max`.
+# The card name ``harness plan`` gives this host's CPU (``--card cpu``), beside the catalogue's.
+CPU_CARD = "cpu"
+
 DEFAULT_FIT_MAX = {"batch_size": 4096, "seq_len": 131072}
 
 # (metric, direction) a sweep optimises when its spec names no objectives.

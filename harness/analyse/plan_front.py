@@ -16,16 +16,15 @@ import numpy as np
 import pandas as pd
 
 from harness.analyse.style import byte_label, byte_ticks, group_colour, rate_label
+from harness.contract import CPU_CARD
 from harness.units import format_bytes
-
-CPU = "cpu"  # the card name of the host
 
 
 def judged_memory(rows: pd.DataFrame) -> pd.Series:
     """The figure a point is judged on: device bytes on a card, the allocated peak on a CPU."""
     if "predicted_device_bytes" in rows:
         return rows["predicted_device_bytes"].where(
-            rows["card"].ne(CPU), rows["predicted_peak_bytes"]
+            rows["card"].ne(CPU_CARD), rows["predicted_peak_bytes"]
         )
     return rows["predicted_peak_bytes"]
 

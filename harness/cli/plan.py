@@ -400,6 +400,7 @@ def plan_cell(column: str, value: Any, row: Any) -> str:
 
 def default_card(spec: Any) -> str:
     """This host's GPU as a catalogue card, else ``cpu``."""
+    from harness.contract import CPU_CARD
     from harness.cuda.cards import card_for_device_name
     from harness.spec.schema import local_device
 
@@ -409,4 +410,4 @@ def default_card(spec: Any) -> str:
         card = card_for_device_name(torch.cuda.get_device_name())
         if card is not None:
             return card.name
-    return "cpu"
+    return CPU_CARD

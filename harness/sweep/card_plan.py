@@ -19,7 +19,8 @@ from typing import Any
 
 import pandas as pd
 
-from harness.analyse.plan_front import CPU, judged_memory
+from harness.analyse.plan_front import judged_memory
+from harness.contract import CPU_CARD
 from harness.cuda.cards import CATALOGUE
 from harness.spec import Spec, SpecError, SweepPlan, with_card
 from harness.sweep.estimate import COLUMNS, run_trial_tool
@@ -49,10 +50,10 @@ class CardSweep:
 
 def on_card(spec: Spec, card: str, cards_file: str | None) -> CardSweep:
     """``spec`` planned for ``card`` (``cpu``: this host)."""
-    if card == CPU:
+    if card == CPU_CARD:
         cpu = spec.model_copy(update={"card": None, "device": "cpu"})
         cpu.__pydantic_private__ = dict(spec.__pydantic_private__ or {})
-        sweep = resolve_max_batch(SweepPlan(cpu), CPU)
+        sweep = resolve_max_batch(SweepPlan(cpu), "cpu")
         budget = int(cpu.device_memory) if cpu.device_memory is not None else None
         return CardSweep(card, sweep.configs, budget)
     planned = with_card(spec, card, cards_file)
@@ -77,7 +78,7 @@ def kernel_class(config: TrialConfig, card: str) -> str:
     processes better than one twice as long, and a second build costs less than the warm-ups
     and windows either needs. The planner checks each trace itself; a card guessed wrong is
     traced again on the same build (``Predictor.retarget``)."""
-    if card == CPU:
+    if card == CPU_CARD:
         return "cpu"
     entry = config.card or {}
     major, minor = entry.get("compute_capability") or (0, 0)
@@ -116,11 +117,11 @@ def plan_grid(
         flush=True,
     )
     request = {
-        "device": "cuda" if any(card != CPU for card in cards) else CPU,
+        "device": "cuda" if any(card != CPU_CARD for card in cards) else "cpu",
         "configs": [base.to_dict() for base, _ in groups.values()],
         "groups": [{"batches": batches} for _, batches in groups.values()],
-        "cards": {s.card: s.configs[0].card for s in planned if s.card != CPU and s.configs},
-        "budgets": {s.card: s.budget for s in planned if s.card != CPU},
+        "cards": {s.card: s.configs[0].card for s in planned if s.card != CPU_CARD and s.configs},
+        "budgets": {s.card: s.budget for s in planned if s.card != CPU_CARD},
         "every": every,
         # Likely slowest first: the queue ends on short ones, leaving no core idle.
         "order": sorted(range(len(groups)), key=lambda i: -likely_cost(*list(groups.values())[i])),
@@ -134,7 +135,7 @@ def plan_grid(
                     "model_size": base.model_size,
                     "dtype": base.dtype,
                     "strategy": base.strategy_text,
-                    "device": CPU if found["card"] == CPU else "cuda",
+                    "device": "cpu" if found["card"] == CPU_CARD else "cuda",
                     "estimate_seconds": answer["plan_seconds"],
                     **found,
                 }
@@ -208,7 +209,7 @@ def trade_line(frame: pd.DataFrame, card: str) -> str:
 
 
 def known_cards() -> list[str]:
-    return [CPU, *CATALOGUE]
+    return [CPU_CARD, *CATALOGUE]
 
 
 def with_gpus(spec: Spec, gpus: int) -> Spec:
@@ -246,8 +247,8 @@ def shortlist(sweep: SweepPlan, top: int) -> list[tuple[str, int]]:
 
     spec, hardware = sweep.spec, sweep.hardware or {}
     device = hardware.get("device", spec.device).split(":")[0]
-    if device == CPU:
-        card = CPU
+    if device == "cpu":
+        card = CPU_CARD
     else:
         known = card_for_device_name(hardware.get("device_name", ""))
         card = spec.card or (known.name if known else "")

@@ -26,14 +26,13 @@ from typing import Any
 
 import torch
 
+from harness.contract import CPU_CARD
 from harness.cuda.cards import Card
 from harness.trial.config import TrialConfig
 from harness.trial.estimate import Predictor, closed_form, device_note
 from harness.trial.prediction import Prediction
 from harness.trial.recompute import auto_strategy, choose, choose_on
 from harness.units import format_bytes
-
-CPU = "cpu"  # the card name of a CPU target
 
 
 def plan_group(
@@ -62,18 +61,18 @@ def plan_group(
                 f" of {format_bytes(budget, short=True)}"
             )
 
-    if CPU in wanted:
+    if CPU_CARD in wanted:
         cpu = torch.device("cpu")
         with Predictor(replace(config, batch_size=batches[0]), cpu, False) as predictor:
-            for batch in sorted(wanted[CPU]):
-                if CPU in over:
+            for batch in sorted(wanted[CPU_CARD]):
+                if CPU_CARD in over:
                     continue
                 if auto_strategy(predictor.strategies) is not None:
-                    budget = budgets.get(CPU) or config.device_memory_bytes
-                    predicted(CPU, batch, choose(predictor, batch, budget))
+                    budget = budgets.get(CPU_CARD) or config.device_memory_bytes
+                    predicted(CPU_CARD, batch, choose(predictor, batch, budget))
                 else:
-                    predicted(CPU, batch, predictor.predict(batch))
-    pending = [cards[name] for name in wanted if name != CPU]
+                    predicted(CPU_CARD, batch, predictor.predict(batch))
+    pending = [cards[name] for name in wanted if name != CPU_CARD]
     strategies = config.strategy.build()
     predictor: Predictor | None = None
     try:
@@ -115,14 +114,14 @@ def plan_group(
     for name, sizes in wanted.items():
         for batch in sorted(sizes):
             point = replace(config, batch_size=batch, card=None, device_memory_bytes=None)
-            if name != CPU:
+            if name != CPU_CARD:
                 point = replace(
                     point,
                     card=cards[name].to_dict(),
                     device_memory_bytes=budgets.get(name) or cards[name].memory_bytes,
                 )
             if (name, batch) in found:
-                rows.append(row(point, found[name, batch], name, as_cuda and name != CPU))
+                rows.append(row(point, found[name, batch], name, as_cuda and name != CPU_CARD))
             else:
                 rows.append({"trial_key": point.trial_key, "batch_size": batch, "card": name,
                              "skipped": over[name]})  # fmt: skip
