@@ -164,6 +164,21 @@ HEADINGS = {  # short headings of the tables people read (--wide and --columns: 
 }
 
 
+def show_recomputation(console: Console, frame: pd.DataFrame, batch: str) -> None:
+    """checkpoint:auto / sac:auto: the plan each row's prediction chose for its budget, a line
+    per row (``batch``: the column holding the batch size, ``value`` in a fit answer)."""
+    if "recomputation" not in frame:
+        return
+    for record in frame.dropna(subset=["recomputation"]).to_dict("records"):
+        where = f" on {record['card']}" if isinstance(record.get("card"), str) else ""
+        console.print(
+            f"{record['model_size']} {record['dtype']} batch {int(record[batch])} "
+            f"{record['strategy']}{where}: {record['recomputation']}",
+            soft_wrap=True,
+            highlight=False,
+        )
+
+
 def is_missing(value: Any) -> bool:
     if value is None or isinstance(value, str):
         return value is None

@@ -18,6 +18,7 @@ from harness.cli.common import (
     positive_int_option,
     prediction_target,
     print_table,
+    show_recomputation,
 )
 from harness.spec import SpecError, load_spec, with_card
 from harness.trial.prediction import Prediction
@@ -178,10 +179,4 @@ def show_fit(
             soft_wrap=True,
             highlight=False,
         )
-        for record in frame.dropna(subset=["recomputation"]).to_dict("records"):
-            console.print(
-                f"  {record['model_size']} {record['dtype']} {record['strategy']} at "
-                f"{int(record['value'])}: {record['recomputation']}",
-                soft_wrap=True,
-                highlight=False,
-            )
+        show_recomputation(console, frame, "value")

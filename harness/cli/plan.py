@@ -13,6 +13,7 @@ from harness.cli.common import (
     emit,
     format_option,
     prediction_target,
+    show_recomputation,
 )
 from harness.spec import SweepPlan, load_spec, points, with_card
 from harness.trial.prediction import Prediction
@@ -197,22 +198,7 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
         )
     for note in sorted({n for n in frame.get("note", []) if isinstance(n, str)}):
         console.print(f"prediction: {note}", highlight=False)
-    show_recomputation(console, frame)
-
-
-def show_recomputation(console: Any, frame: Any) -> None:
-    """checkpoint:auto / sac:auto: the plan each point's prediction chose for its budget."""
-    if "recomputation" not in frame:
-        return
-    chosen = frame.dropna(subset=["recomputation"])
-    for record in chosen.to_dict("records"):
-        where = f" on {record['card']}" if isinstance(record.get("card"), str) else ""
-        console.print(
-            f"{record['model_size']} batch {record['batch_size']} {record['strategy']}{where}: "
-            f"{record['recomputation']}",
-            soft_wrap=True,
-            highlight=False,
-        )
+    show_recomputation(console, frame, "batch_size")
 
 
 def estimate_title(frame: Any, spec: Any, target: str, fixed: list[str]) -> str:
@@ -385,7 +371,7 @@ def show_plan(frame: Any, spec: Any, cards: list[str]) -> None:
         "per step time over the card's peak (docs/speed.md)",
         highlight=False,
     )
-    show_recomputation(console, frame)
+    show_recomputation(console, frame, "batch_size")
 
 
 def plan_cell(column: str, value: Any, row: Any) -> str:

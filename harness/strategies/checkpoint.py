@@ -133,9 +133,6 @@ class BlockRecomputation:
         options = self.sac_options if mode == SAC else {}
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
-    def describe(self) -> str:
-        return describe(self.modes)
-
 
 def describe(modes: tuple[str, ...]) -> str:
     """Which blocks do what, e.g. ``full: 0-2; keep: 3-7``."""
@@ -213,7 +210,7 @@ class Checkpoint(Strategy):
         )
         ctx.notes["checkpoint_segments"] = sum(m != KEEP for m in modes)
         ctx.notes["checkpoint_full_blocks"] = full
-        ctx.notes["checkpoint_policy"] = f"{self.name}:auto ({self.recomputation.describe()})"
+        ctx.notes["checkpoint_policy"] = f"{self.name}:auto ({describe(modes)})"
         return model
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:

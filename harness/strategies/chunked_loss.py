@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,11 +91,15 @@ def chunked_cross_entropy(
     return total / (targets != IGNORE).sum().clamp(min=1)
 
 
+# How the head computes the loss: (hidden states, aligned labels, the head) -> mean loss.
+HeadLoss = Callable[[torch.Tensor, torch.Tensor, nn.Linear], torch.Tensor]
+
+
 class _HeadState:
     """What the task hands the head for one forward (labels) and takes back (the loss)."""
 
-    def __init__(self, head: nn.Linear, chunks: int) -> None:
-        self.head, self.chunks = head, chunks
+    def __init__(self, head: nn.Linear, loss: HeadLoss) -> None:
+        self.head, self.compute = head, loss
         self.plain = type(head).forward
         self.labels: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
@@ -103,7 +108,7 @@ class _HeadState:
         if self.labels is None:  # evaluation, accuracy: the plain head
             return self.plain(self.head, hidden)
         labels, self.labels = self.labels, None
-        self.loss = chunked_cross_entropy(hidden, labels, self.head, self.chunks)
+        self.loss = self.compute(hidden, labels, self.head)
         return hidden.new_empty(*hidden.shape[:-1], 0)
 
 
@@ -174,15 +179,19 @@ class ChunkedCrossEntropy(Strategy):
                 f"chunked_ce: no output head found in {type(model).__name__} (looked for "
                 f"get_output_embeddings() and a Linear named {', '.join(HEAD_NAMES)})"
             )
-        chunks = int(self.arg) if self.arg else default_chunks(head.out_features)
-        state = _HeadState(head, chunks)
+        state = _HeadState(head, self.head_loss(head, ctx))
         head.forward = state.forward  # type: ignore[method-assign]
         shift = isinstance(task, HuggingFace) or (
             isinstance(task, UserModel) and is_causal_lm(model)
         )
         self.task_for_model = ChunkedLoss(task, state, causal_shift=shift)
-        ctx.notes["loss_chunks"] = chunks
         return model
+
+    def head_loss(self, head: nn.Linear, ctx: TrialContext) -> HeadLoss:
+        """The loss the head computes: over checkpointed chunks of tokens."""
+        chunks = int(self.arg) if self.arg else default_chunks(head.out_features)
+        ctx.notes["loss_chunks"] = chunks
+        return lambda hidden, labels, head: chunked_cross_entropy(hidden, labels, head, chunks)
 
     def prepare_task(self, task: Task, model: nn.Module, ctx: TrialContext) -> Task:
         return self.task_for_model
@@ -200,21 +209,17 @@ class FusedCrossEntropy(ChunkedCrossEntropy):
                 f"fused_ce: Liger's fused kernel runs on CUDA only (this trial: "
                 f"{ctx.device.type}); use chunked_ce"
             )
-        model = super().prepare_model(model, ctx)
-        loss = _liger().LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)
-        state = self.task_for_model.state
+        return super().prepare_model(model, ctx)
 
-        def fused(hidden: torch.Tensor) -> torch.Tensor:
-            if state.labels is None:
-                return state.plain(state.head, hidden)
-            labels, state.labels = state.labels, None
+    def head_loss(self, head: nn.Linear, ctx: TrialContext) -> HeadLoss:
+        """Liger's kernel over every token at once (it chunks inside)."""
+        fused = _liger().LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)
+
+        def loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Linear) -> torch.Tensor:
             flat = hidden.reshape(-1, hidden.shape[-1])
-            state.loss = loss(state.head.weight, flat, labels.reshape(-1), state.head.bias)
-            return hidden.new_empty(*hidden.shape[:-1], 0)
+            return fused(head.weight, flat, labels.reshape(-1), head.bias)
 
-        state.head.forward = fused  # type: ignore[method-assign]
-        ctx.notes.pop("loss_chunks", None)
-        return model
+        return loss
 
 
 def _liger() -> Any:

@@ -400,14 +400,15 @@ def answers(
             fields = at.to_dict()
             row.update({k: v for k, v in fields.items() if k.startswith("predicted_")})
             row.update({k: fields[k] for k in ("card", "note") if k in fields})
+            on_curve = True  # the answer's figures are the curve's prediction at the value
             if least is not None:  # auto: the least recomputation at this batch is the answer's
                 chosen = least(value, budget)
                 if chosen.ok:
-                    at, fields = chosen, chosen.to_dict()
+                    at, fields, on_curve = chosen, chosen.to_dict(), False
                     row.update({k: v for k, v in fields.items() if k.startswith("predicted_")})
                     row["recomputation"] = chosen.recomputation
             if (at.judged_bytes or 0) > budget:  # fits only by freeing the cache and retrying
-                if at is curve(value):
+                if on_curve:
                     bounded = curve.within(value, budget)
                 else:  # auto's chosen plan: its own replay under the cap
                     bounded = replay_for_budget(at.replay, budget) if at.replay else None
