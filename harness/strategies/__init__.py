@@ -32,6 +32,8 @@ class StrategyInfo:
     arg_type: type | None = None
     arg_optional: bool = False
     arg_max: float | None = None  # exclusive upper bound (fractions)
+    # Words allowed after the number (``tp:2:sp``, ``pp:2:1f1b``); the first is the default.
+    options: tuple[str, ...] = ()
     # The argument may be ``auto``: how much to do is chosen before training, from the
     # estimator's predictions, for the trial's memory budget (``harness.trial.recompute``).
     auto: bool = False
@@ -42,6 +44,9 @@ class StrategyInfo:
     conflicts: tuple[str, ...] = ()
     requires: str | None = None  # a strategy it modifies, which must be in the combination
     splits_batch: bool = False  # the argument must divide every batch size
+    # The device-mesh dimension its argument sizes (``dp``: ddp/fsdp, ``tp``, ``pp``, ``cp``):
+    # the trial runs on the product of them all (``combination.Layout``).
+    mesh_dim: str | None = None
     micro_batches_from_arg: bool = False  # a step runs the argument's number of micro-batches
     # Applied in real trials only: the estimate predicts the step without it (compiled code
     # cannot run under tensor accounting, so it predicts the eager model, as the memory
@@ -64,6 +69,10 @@ class StrategyInfo:
 def _info(name: str, doc: str, module: str, cls: str, **kw: Any) -> StrategyInfo:
     return StrategyInfo(name, doc, f"harness.strategies.{module}:{cls}", **kw)
 
+
+# Strategies that replace a block's Linear layers or their weights: a tensor-parallel plan
+# (DTensor weights) and a pipeline stage's split cannot take them.
+PARAMETER_REWRITERS = ("lora", "qlora", "compile", "quantize_int8", "prune", "prune_structured")
 
 STRATEGIES: dict[str, StrategyInfo] = {
     info.name: info
@@ -309,6 +318,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             arg_type=int,
             group="parallel",
             splits_batch=True,
+            mesh_dim="dp",
         ),
         _info(
             "fsdp",
@@ -322,6 +332,61 @@ STRATEGIES: dict[str, StrategyInfo] = {
             splits_batch=True,
             search_cost=1.5,
             shards_state=True,
+            mesh_dim="dp",
+        ),
+        _info(
+            "tp",
+            "tensor parallelism (parallelize_module) over N ranks: each block's attention and "
+            "MLP projections split column-wise then row-wise (Megatron's layout), so the "
+            "blocks' weights, gradients, optimizer state and most of their activations are "
+            "~1/N per rank; two all-reduces per block in forward and two in backward. "
+            "Embeddings, norms and the output head stay whole on every rank. `tp:N:sp` adds "
+            "sequence parallelism: norms and residuals hold 1/N of the sequence. Families gpt "
+            "and hf (Llama, Qwen2, Mistral)",
+            "tensor_parallel",
+            "TensorParallel",
+            arg="ranks",
+            arg_type=int,
+            options=("", "sp"),
+            families=("gpt", "hf"),
+            conflicts=PARAMETER_REWRITERS,
+            mesh_dim="tp",
+            search_cost=1.5,
+        ),
+        _info(
+            "pp",
+            "pipeline parallelism (torch.distributed.pipelining) over N stages: the blocks "
+            "split into N stages of about equal parameters (embeddings on the first, norm and "
+            "head on the last), each batch into micro-batches (accumulate:K's K, else 2N) "
+            "under a schedule: gpipe (all forwards, then all backwards), 1f1b (default: at "
+            "most N micro-batches' activations on the first stage) or interleaved (two "
+            "virtual stages per rank, a smaller bubble). Stages hold different memory: every "
+            "stage is measured and predicted. Families gpt and hf (Llama, Qwen2, Mistral)",
+            "pipeline_parallel",
+            "PipelineParallel",
+            arg="stages",
+            arg_type=int,
+            options=("1f1b", "gpipe", "interleaved"),
+            families=("gpt", "hf"),
+            bad_dtypes=("fp16",),
+            conflicts=(*PARAMETER_REWRITERS, "chunked_ce", "fused_ce", "keep_grads"),
+            mesh_dim="pp",
+            search_cost=2.0,
+        ),
+        _info(
+            "cp",
+            "context parallelism (PyTorch's context_parallel: ring attention over SDPA): "
+            "each rank holds 1/N of every sequence, so activations are ~1/N; K/V rotate "
+            "round the ranks in attention. CUDA only (its SDPA kernels are flash and "
+            "memory-efficient attention); predicted anywhere",
+            "context_parallel",
+            "ContextParallel",
+            arg="ranks",
+            arg_type=int,
+            devices=("cuda",),
+            families=("gpt", "hf"),
+            conflicts=PARAMETER_REWRITERS,
+            mesh_dim="cp",
         ),
         _info(
             "fsdp_mixed",

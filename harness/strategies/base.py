@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.strategies.combination import Layout
 from harness.strategies.settings import LoraSettings, OptimizerSettings
 
 
@@ -52,6 +53,11 @@ class TrialContext:
     # for real with the large tensors on meta (harness.trial.fake.construct_on_meta).
     construction: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     notes: dict[str, Any] = field(default_factory=dict)
+    # How the trial's ranks are arranged, and their device mesh once a strategy built it
+    # (``harness.strategies.mesh``): a torch DeviceMesh.
+    layout: Layout = field(default_factory=Layout)
+    mesh: Any = None
+    rank: int = 0  # this process's rank in the trial (the estimator's: the role it predicts)
 
     @property
     def estimating(self) -> bool:

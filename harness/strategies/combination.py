@@ -46,6 +46,10 @@ class Term:
             raise ValueError(f"strategy {name!r} needs an argument: {name}:<{info.arg}>")
         if info.auto and arg.strip() == "auto":
             return cls(name, arg)
+        arg, _, option = arg.partition(":") if info.options else (arg, "", "")
+        if option and option.strip() not in info.options:
+            allowed = ", ".join(f"{name}:N:{o}" for o in info.options if o)
+            raise ValueError(f"strategy {name!r}: unknown option {option!r} (allowed: {allowed})")
         if info.arg_type is None and arg:
             raise ValueError(f"strategy {name!r}: the argument may only be auto (got {arg!r})")
         if info.arg is not None and arg and info.arg_type is not None:
@@ -61,7 +65,7 @@ class Term:
                     f"between 0 and {info.arg_max:g} (exclusive)" if info.arg_max else "positive"
                 )
                 raise ValueError(f"strategy {name!r}: {info.arg} must be {bound} (got {arg})")
-        return cls(name, arg if sep else None)
+        return cls(name, (f"{arg}:{option}" if option else arg) if sep else None)
 
     @property
     def text(self) -> str:
@@ -85,13 +89,58 @@ class Term:
     @property
     def number(self) -> int | None:
         """The argument as an integer (ranks, micro-batches), None where none was given."""
-        return int(self.arg) if self.arg else None
+        number = (self.arg or "").partition(":")[0]
+        return int(number) if number else None
+
+    @property
+    def option(self) -> str:
+        """The word after the number (``sp`` of ``tp:2:sp``), else the registry's default."""
+        written = (self.arg or "").partition(":")[2].strip()
+        return written or (self.info.options[0] if self.info.options else "")
 
     def build(self) -> Strategy:
         """The strategy object (imports its module, hence torch)."""
         from harness.workloads import resolve
 
         return resolve(self.info.impl)(self.given)
+
+
+# The mesh's dimensions, outermost first (torchtitan's order): pipeline stages, data-parallel
+# replicas or shards, context (sequence) shards, tensor shards; neighbouring ranks share the
+# innermost dimension, whose collectives are the most frequent.
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a trial's ranks are arranged: each mesh dimension's size (1 where absent)."""
+
+    sizes: tuple[tuple[str, int], ...] = ()  # (dimension, size), in MESH_DIMS order
+
+    def size(self, dim: str) -> int:
+        return dict(self.sizes).get(dim, 1)
+
+    @property
+    def world_size(self) -> int:
+        total = 1
+        for _, size in self.sizes:
+            total *= size
+        return total
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits on each dimension (row-major: the last dimension varies fastest)."""
+        out: dict[str, int] = {}
+        for dim, size in reversed(self.sizes):
+            rank, out[dim] = divmod(rank, size)
+        return out
+
+    def roles(self) -> list[int]:
+        """One rank per distinct memory role, lowest first: a pipeline's stages differ (what
+        they hold, how many micro-batches' activations); ranks that differ on any other
+        dimension hold the same bytes."""
+        stages = self.size("pp")
+        per_stage = self.world_size // stages
+        return [stage * per_stage for stage in range(stages)]
 
 
 @dataclass(frozen=True)
@@ -129,7 +178,35 @@ class Combination:
                 raise ValueError(
                     f"{name!r} modifies {needed!r}: combine them, e.g. [{needed}:2, {name}]"
                 )
-        return cls(terms)
+        combination = cls(terms)
+        combination.check_layout()
+        return combination
+
+    def check_layout(self) -> None:
+        """The mixes of model-parallel layouts that cannot run, refused with both names."""
+        names = self.names
+        if "ddp" in names and ("tp" in names or "cp" in names):
+            other = "tp" if "tp" in names else "cp"
+            raise ValueError(
+                f"'ddp' and {other!r} cannot be combined: DDP does not take DTensor "
+                f"parameters; use fsdp:N with {other}:M"
+            )
+        pipeline = self.term("pp")
+        if pipeline is None:
+            return
+        for term in self.terms:
+            if term.auto:
+                raise ValueError(
+                    f"{term.text!r} and 'pp' cannot be combined: :auto chooses one plan for "
+                    "the whole model, and a pipeline's stages need one each"
+                )
+        micro = self.pipeline_micro_batches
+        stages = pipeline.number or 1
+        if pipeline.option == "interleaved" and micro % stages:
+            raise ValueError(
+                f"{pipeline.text}: the interleaved schedule needs micro-batches (accumulate:K) "
+                f"a multiple of the {stages} stages (got {micro})"
+            )
 
     def __iter__(self) -> Iterator[Term]:
         return iter(self.terms)
@@ -157,22 +234,47 @@ class Combination:
         """Whether a strategy of ``group`` (``adapters``, ``parallel``, ...) is in it."""
         return any(info.group == group for info in self.infos)
 
+    def term(self, name: str) -> Term | None:
+        return next((term for term in self.terms if term.name == name), None)
+
+    @property
+    def layout(self) -> Layout:
+        """The device mesh its ``ddp``/``fsdp``/``tp``/``pp``/``cp`` terms make."""
+        sizes = {
+            term.info.mesh_dim: term.number or 1
+            for term in self.terms
+            if term.info.mesh_dim is not None
+        }
+        return Layout(tuple((dim, sizes[dim]) for dim in MESH_DIMS if dim in sizes))
+
     @property
     def world_size(self) -> int:
-        """Processes a trial with these strategies runs on (``ddp:N`` / ``fsdp:N``), else 1."""
-        for term in self.terms:
-            if term.info.group == "parallel" and term.number is not None:
-                return term.number
-        return 1
+        """Processes a trial with these strategies runs on: the product of its mesh's
+        dimensions (``[fsdp:2, tp:2]``: 4), else 1."""
+        return self.layout.world_size
+
+    @property
+    def pipeline_micro_batches(self) -> int:
+        """Micro-batches a pipeline step runs: ``accumulate:K``'s K, else 2 per stage; 1
+        without ``pp``."""
+        pipeline, accumulate = self.term("pp"), self.term("accumulate")
+        if pipeline is None:
+            return 1
+        if accumulate is not None and accumulate.number is not None:
+            return accumulate.number
+        return 2 * (pipeline.number or 1)
 
     @property
     def batch_step(self) -> int:
         """The batch sizes these strategies allow are the multiples of this: each ``ddp:N``,
-        ``fsdp:N`` and ``accumulate:K`` splits the batch that many ways."""
+        ``fsdp:N`` and ``accumulate:K`` splits the batch that many ways, ``pp:N`` into its
+        micro-batches (2N unless ``accumulate:K`` says K)."""
         step = 1
         for term in self.terms:
             if term.info.splits_batch and term.number is not None:
                 step *= term.number
+        if self.term("pp") is not None and self.term("accumulate") is None:
+            step *= self.pipeline_micro_batches
         return step
 
     @property
@@ -182,20 +284,19 @@ class Combination:
 
     @property
     def needs_process_group(self) -> bool:
-        """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``, ``N = 1`` included."""
-        return self.has_group("parallel")
+        """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``/``tp:N``/``pp:N``/
+        ``cp:N``, ``N = 1`` included."""
+        return any(info.mesh_dim is not None for info in self.infos)
 
     def check_context(self, dtype: str, family: str, device: str, batch_size: int) -> None:
         """Check it against the other axes of a grid point; ``ValueError`` if it clashes."""
-        splits = 1
+        splits = self.batch_step
+        if batch_size % splits:
+            raise ValueError(
+                f"{self.text} splits each batch {splits} ways: batch_size {batch_size} is not a multiple of {splits}"
+            )
         for term in self.terms:
             info = term.info
-            if info.splits_batch and term.number is not None:
-                splits *= term.number
-                if batch_size % splits:
-                    raise ValueError(
-                        f"{self.text} splits each batch {splits} ways: batch_size {batch_size} is not a multiple of {splits}"
-                    )
             if dtype in info.bad_dtypes:
                 raise ValueError(f"strategy {term.name!r} cannot be combined with dtype {dtype!r}")
             user_ok = ":" in family and USER_FAMILY in (info.families or ())

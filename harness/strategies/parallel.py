@@ -24,13 +24,7 @@ from torch import nn
 
 from harness.strategies.base import Strategy, StrategyError, TrialContext
 from harness.strategies.checkpoint import repeated_blocks
-
-
-def _require_group(name: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise RuntimeError(f"{name} needs the trial to run under torchrun (the launcher does this)")
+from harness.strategies.mesh import require_group, submesh
 
 
 def _all_reduce_in_place(state, bucket):  # type: ignore[no-untyped-def]
@@ -52,13 +46,19 @@ class Ddp(Strategy):
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        _require_group("ddp")
+        require_group("ddp")
+        # With a pipeline, the replicas of one stage all-reduce among themselves.
+        group = submesh(ctx, "dp").get_group() if ctx.layout.size("pp") > 1 else None
         # The start-up check that all replicas are equal reads parameter values, which the
         # estimator's fake tensors do not have; it allocates nothing that lasts.
         init_sync = not ctx.estimating
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         wrapped = DistributedDataParallel(
-            model, device_ids=device_ids, init_sync=init_sync, find_unused_parameters=ctx.estimating
+            model,
+            device_ids=device_ids,
+            init_sync=init_sync,
+            find_unused_parameters=ctx.estimating,
+            process_group=group,
         )
         if ctx.estimating:
             # No peers: the bucket is "all-reduced" where it lies (in place, as the real
@@ -72,17 +72,10 @@ class Fsdp(Strategy):
     name = "fsdp"
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        _require_group("fsdp")
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        # The mesh is a small table of rank numbers that is searched by value: keep it a real
-        # tensor when the estimator runs this on fake ones.
-        with _disable_current_modes():
-            mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
+        require_group("fsdp")
+        mesh = submesh(ctx, "dp")  # with tp: the blocks' DTensor shards, sharded again
         try:
             _, blocks = repeated_blocks(model)
         except StrategyError:

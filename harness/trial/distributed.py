@@ -22,13 +22,14 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from harness.strategies.combination import Layout
 from harness.trial.result import Status, TrialResult
 
 if TYPE_CHECKING:  # torch.distributed re-exports it without declaring it public
@@ -101,16 +102,36 @@ class Ranks:
     # Started by torchrun: a process group even of one rank (``ddp:1``/``fsdp:1`` measure
     # the wrapper's own cost, and their strategies need the group).
     launched: bool = False
+    # How the ranks are arranged (``[fsdp:2, tp:2]``: 2 x 2); empty: every rank a data-parallel
+    # replica or shard (``ddp:N``, ``fsdp:N``).
+    layout: Layout = field(default_factory=Layout)
 
     @classmethod
-    def from_env(cls) -> Ranks:
+    def from_env(cls, layout: Layout | None = None) -> Ranks:
         """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain process is rank 0 of 1."""
         return cls(
             int(os.environ.get("RANK", 0)),
             int(os.environ.get("WORLD_SIZE", 1)),
             int(os.environ.get("LOCAL_RANK", 0)),
             "WORLD_SIZE" in os.environ,
+            layout or Layout(),
         )
+
+    @property
+    def batch_parts(self) -> int:
+        """How many ways a global batch is split: one part per data-parallel rank (tensor,
+        context and pipeline ranks of one replica all take the same part)."""
+        return self.layout.size("dp") if self.layout.sizes else self.size
+
+    @property
+    def batch_part(self) -> int:
+        """Which part of the batch this rank takes."""
+        return self.layout.coordinates(self.rank).get("dp", 0) if self.layout.sizes else self.rank
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without a pipeline)."""
+        return self.layout.coordinates(self.rank).get("pp", 0)
 
     @property
     def distributed(self) -> bool:
@@ -218,9 +239,9 @@ class Ranks:
 
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a global batch."""
-        if not self.distributed:
+        if not self.distributed or self.batch_parts == 1:
             return tensor
-        return tensor.chunk(self.size)[self.rank]
+        return tensor.chunk(self.batch_parts)[self.batch_part]
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value; just this rank's before the group starts (a trial predicted

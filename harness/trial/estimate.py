@@ -148,8 +148,10 @@ class Predictor:
         totals: bool = False,
         strategies: tuple[Strategy, ...] | None = None,
         rewarm: bool = False,
+        rank: int = 0,
     ) -> None:
         self.config, self.device, self.as_cuda = config, device, as_cuda
+        self.rank = rank  # whose role is predicted: a pipeline's stages differ
         self.steps_run, self.totals = steps_run, totals
         self.strategies = strategies or config.strategy.build()
         self.stack: contextlib.ExitStack | None = None
@@ -198,7 +200,12 @@ class Predictor:
             if info.unpredictable is not None:
                 self.failure = Prediction.unpredictable(f"{info.name}: {info.unpredictable}")
                 return
-        ranks = Ranks(rank=0, size=config.world_size, launched=config.strategy.needs_process_group)
+        ranks = Ranks(
+            rank=self.rank,
+            size=config.world_size,
+            launched=config.strategy.needs_process_group,
+            layout=config.strategy.layout,
+        )
         stack = contextlib.ExitStack()
         try:
             # Real tensors: user data is loaded (and a tokenizer read) to learn the batch's shape.
@@ -307,7 +314,7 @@ class Predictor:
         setup = replace(
             self.setup,
             config=config,
-            samples_per_step=batch_size // self.setup.ranks.size * self.info.tokens_per_sample,
+            samples_per_step=batch_size * self.info.tokens_per_sample // self.setup.ranks.size,
         )
         try:
             prediction = self.window(setup, config)

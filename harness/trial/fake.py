@@ -20,9 +20,12 @@ needs, except in four places, each handled here:
   causal mask where the real run passes none (which switches SDPA's GQA path off and copies
   K/V to every head: +4-8 % on a small GQA Llama). ``libraries_run_eagerly`` makes that check
   see the fake tensor as the eager tensor it stands for.
-- **Other ranks.** ``ddp:N``/``fsdp:N`` run rank 0 of N against torch's "fake" process group,
-  whose collectives return at once, so sharding, all-gather buffers and gradient buckets are
-  those of the real run.
+- **Other ranks.** ``ddp:N``/``fsdp:N``/``tp:N``/``pp:N`` run one rank of N against torch's
+  "fake" process group, whose collectives return at once, so sharding, all-gather buffers and
+  gradient buckets are those of the real run. A device mesh is a table of rank numbers that
+  torch searches by value (``nonzero``), so meshes are built from real tensors; and DTensor
+  caches its sharding decisions under meshes that compare equal across process groups, so the
+  caches are emptied when the fake group goes (else the real run reuses the fake group's).
 """
 
 from __future__ import annotations
@@ -156,8 +159,9 @@ def libraries_run_eagerly() -> Iterator[None]:
 
 @contextlib.contextmanager
 def fake_process_group(ranks: Ranks) -> Iterator[None]:
-    """Rank 0 of ``ranks.size`` with no peers: torch's "fake" backend completes every collective
-    without communicating. Must not meet a real group (the trial predicts before joining one)."""
+    """Rank ``ranks.rank`` of ``ranks.size`` with no peers: torch's "fake" backend completes
+    every collective without communicating (a receive leaves its buffer as it was). Must not
+    meet a real group (the trial predicts before joining one)."""
     if not ranks.distributed:
         yield
         return
@@ -166,8 +170,38 @@ def fake_process_group(ranks: Ranks) -> Iterator[None]:
     # Importing it registers the "fake" backend (torch's own tests and tools use it so).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks.size)
+    dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank, world_size=ranks.size)
+    try:
+        with meshes_of_real_tensors():
+            yield
+    finally:
+        dist.destroy_process_group()
+        forget_sharding_decisions()
+
+
+@contextlib.contextmanager
+def meshes_of_real_tensors() -> Iterator[None]:
+    """Every ``DeviceMesh`` made meanwhile (FSDP makes one joining its mesh to a tensor-parallel
+    one) built outside the fake world: its rank lookups read values."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def build_for_real(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _disable_current_modes():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = build_for_real  # type: ignore[method-assign]
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
+
+
+def forget_sharding_decisions() -> None:
+    """DTensor's caches of sharding propagation and redistribution plans, emptied."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()

@@ -44,7 +44,7 @@ from harness.workloads import load_dataset
 
 def run_trial(config: TrialConfig, output_dir: Path | None = None) -> TrialResult:
     """Run one trial in this process; ``output_dir`` gets its memory timeline, if any."""
-    ranks = Ranks.from_env()
+    ranks = Ranks.from_env(config.strategy.layout)
     measured = Measurements()
     status, reason = Status.OK, ""
     try:

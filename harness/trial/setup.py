@@ -54,7 +54,7 @@ class Setup:
     @property
     def micro_batch_size(self) -> int:
         """Samples one forward pass of this rank takes in training (what is known to fit)."""
-        return max(1, self.config.batch_size // self.ranks.size // self.micro_batches)
+        return max(1, self.config.batch_size // self.ranks.batch_parts // self.micro_batches)
 
     def prepare_batch(self, batch: Batch) -> Batch:
         """A batch as the strategies want it on the device: each floating-point tensor (the
@@ -101,6 +101,17 @@ class Setup:
         return total
 
 
+def applying_order(strategies: tuple[Strategy, ...]) -> list[Strategy]:
+    """The order strategies change the model in: the spec's, except that the layouts that split
+    the model itself come first, as they must (a pipeline stage is cut from the whole model,
+    then its blocks split over tensor ranks, then sharded by FSDP): ``pp``, ``tp``, ``cp``."""
+    first = ("pp", "tp", "cp")
+    return sorted(
+        strategies,
+        key=lambda s: first.index(s.name) if s.name in first else len(first),
+    )
+
+
 def build_setup(
     config: TrialConfig,
     device: torch.device,
@@ -141,11 +152,13 @@ def build_setup(
         workload.task,
         lora=config.lora or LoraSettings(),
         construction=construct_on_meta if estimating else contextlib.nullcontext,
+        layout=config.strategy.layout,
+        rank=ranks.rank,
     )
     for strategy in strategies:
         context.shard_options.update(strategy.shard_options(context))
     model = convert(workload.model, device, materialize_meta=estimating)
-    for strategy in strategies:
+    for strategy in applying_order(strategies):
         model = strategy.prepare_model(model, context)
     task = workload.task
     for strategy in strategies:
@@ -175,7 +188,9 @@ def build_setup(
         optimizer=optimizer,
         micro_batches=math.prod(s.micro_batches() for s in strategies),
         set_to_none=all(s.zero_grad_set_to_none() for s in strategies),
-        samples_per_step=config.batch_size // ranks.size * tokens,
+        # This rank's share: each sample counted once over all ranks (a tensor-parallel pair
+        # trains on the same samples).
+        samples_per_step=config.batch_size * tokens // ranks.size,
         num_params=sum(p.numel() for p in trainable),
         num_params_total=sum(p.numel() for p in model.parameters()),
         info=info,

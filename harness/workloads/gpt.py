@@ -16,19 +16,23 @@ from harness.workloads.tensors import DataInfo
 
 
 class CausalSelfAttention(nn.Module):
+    """Heads are counted from ``qkv``'s output, not fixed: under tensor parallelism each rank's
+    ``qkv`` yields its own heads' queries, keys and values (``harness.strategies.tensor_parallel``)."""
+
     def __init__(self, d_model: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
+        self.head_dim = d_model // n_head
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        shape = (batch, seq, self.n_head, width // self.n_head)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        shape = (batch, seq, -1, self.head_dim)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
@@ -61,17 +65,24 @@ class GPT(nn.Module):
     ):
         super().__init__()
         self.seq_len = seq_len
-        self.tok_emb = nn.Embedding(vocab, d_model)
-        self.pos_emb = nn.Embedding(seq_len, d_model)
+        tok_emb = nn.Embedding(vocab, d_model)
+        self.tok_emb: nn.Embedding | None = tok_emb
+        self.pos_emb: nn.Embedding | None = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         if tied:
-            self.head.weight = self.tok_emb.weight
+            self.head.weight = tok_emb.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(positions)
+        # A pipeline stage other than the first has no embeddings: it takes the previous
+        # stage's hidden states (``harness.strategies.pipeline_parallel``).
+        if self.tok_emb is None:
+            x = idx
+        else:
+            assert self.pos_emb is not None
+            positions = torch.arange(idx.shape[1], device=idx.device)
+            x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))

@@ -1,0 +1,52 @@
+"""The trial's device mesh: one per trial, shared by every parallel strategy.
+
+``[fsdp:2, tp:2]`` runs on 4 ranks arranged 2 x 2 (``combination.Layout``): tensor parallelism
+splits each block over the ``tp`` dimension, FSDP shards the result over ``dp``. Each strategy
+takes its own dimension of the one mesh, so their process groups line up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from harness.strategies.base import TrialContext
+
+
+def require_group(name: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{name} needs the trial to run under torchrun (the launcher does this)")
+
+
+def real_tensors() -> Any:
+    """A mesh is a small table of rank numbers searched by value: it must stay a real tensor
+    when the estimator builds or slices it on fake ones."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def device_mesh(ctx: TrialContext) -> DeviceMesh:
+    """The trial's mesh (built on first use), named by ``MESH_DIMS``; a mesh of one dimension
+    (``dp``) where the layout names none (a process group started outside a sweep)."""
+    if ctx.mesh is None:
+        sizes = ctx.layout.sizes or (("dp", dist.get_world_size()),)
+        with real_tensors():
+            ctx.mesh = init_device_mesh(
+                ctx.device.type,
+                tuple(size for _, size in sizes),
+                mesh_dim_names=tuple(dim for dim, _ in sizes),
+            )
+    mesh: Any = ctx.mesh
+    return mesh
+
+
+def submesh(ctx: TrialContext, dim: str) -> DeviceMesh:
+    """One dimension of the trial's mesh (``tp``, ``dp``, ``pp``, ``cp``)."""
+    mesh = device_mesh(ctx)
+    if mesh.mesh_dim_names is not None and len(mesh.mesh_dim_names) == 1:
+        return mesh
+    with real_tensors():
+        return mesh[dim]
