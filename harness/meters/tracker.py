@@ -215,6 +215,7 @@ FAST: tuple[Piece, ...] = (
     attr(MEM, "MemTracker._update_peak_stats", "peak_state"),
     attr(MEM, "MemTracker._update_snap", "u_type", "winfo"),
     attr(MEM, "MemTracker._track_module_params_and_buffers", "module", "install_grad_hooks="),
+    attr(MEM, "MemTracker._pre_fw_hook", "module", "inputs"),
     # called
     attr(MEM, "MemTracker._track", "reftype", "t"),
     attr(MEM, "MemTracker._update_and_maybe_create_winfos", "t", "reftype"),
@@ -227,6 +228,9 @@ FAST: tuple[Piece, ...] = (
     live("MemTracker()", "_peak_mem"),
     live("MemTracker()", "_peak_mem_snap"),
     live("MemTracker()", "_param_to_grad_hook_handles"),
+    live("MemTracker()", "memory_tracking"),
+    live("MemTracker()", "_mod_tracker.parents"),
+    live("MemTracker()", "_mod_tracker.get_known_fqn"),
     # the rest of tracker_fast's imports
     attr("torch._guards", "active_fake_mode"),
     attr("torch.distributed.tensor", "DTensor"),

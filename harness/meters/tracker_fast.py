@@ -89,6 +89,17 @@ class Engine(MemTracker):
                     )
         return memory
 
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        """As ``MemTracker``'s, except that a top-level module called again in forward starts
+        its per-module statistics afresh instead of refusing: a pipeline stage runs once per
+        micro-batch, its backwards interleaved (what ``reset_mod_stats`` does between steps,
+        for that module alone; nothing here reads those statistics)."""
+        name = self._mod_tracker.get_known_fqn(module)
+        again = module in self.memory_tracking and not self._mod_tracker.is_bw
+        if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
     def _track_gradient(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 

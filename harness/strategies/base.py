@@ -58,6 +58,7 @@ class TrialContext:
     layout: Layout = field(default_factory=Layout)
     mesh: Any = None
     rank: int = 0  # this process's rank in the trial (the estimator's: the role it predicts)
+    pipeline_micro_batches: int = 1  # pp:N's micro-batches per step (accumulate:K, else 2N)
 
     @property
     def estimating(self) -> bool:

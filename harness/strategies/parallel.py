@@ -44,11 +44,19 @@ class Ddp(Strategy):
     name = "ddp"
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
         require_group("ddp")
         # With a pipeline, the replicas of one stage all-reduce among themselves.
         group = submesh(ctx, "dp").get_group() if ctx.layout.size("pp") > 1 else None
+        parts = getattr(model, "parts", None)
+        if isinstance(parts, nn.ModuleList):  # a pipeline: each stage a replica of its own
+            for index, part in enumerate(parts):
+                parts[index] = self.wrap(part, ctx, group)
+            return model
+        return self.wrap(model, ctx, group)
+
+    def wrap(self, model: nn.Module, ctx: TrialContext, group: Any) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
         # The start-up check that all replicas are equal reads parameter values, which the
         # estimator's fake tensors do not have; it allocates nothing that lasts.
         init_sync = not ctx.estimating
@@ -76,14 +84,20 @@ class Fsdp(Strategy):
 
         require_group("fsdp")
         mesh = submesh(ctx, "dp")  # with tp: the blocks' DTensor shards, sharded again
-        try:
-            _, blocks = repeated_blocks(model)
-        except StrategyError:
-            blocks = []  # no repeated blocks: shard the model as one unit
-        for block in blocks:
-            fully_shard(block, mesh=mesh, **ctx.shard_options)
-        fully_shard(model, mesh=mesh, **ctx.shard_options)
-        ctx.notes["fsdp_units"] = len(blocks) + 1
+        parts = getattr(model, "parts", None)
+        # A pipeline's stages are each a root: the schedule calls them, not their container.
+        roots = list(parts) if isinstance(parts, nn.ModuleList) else [model]
+        units = 0
+        for root in roots:
+            try:
+                _, blocks = repeated_blocks(root)
+            except StrategyError:
+                blocks = []  # no repeated blocks: shard the model as one unit
+            for block in blocks:
+                fully_shard(block, mesh=mesh, **ctx.shard_options)
+            fully_shard(root, mesh=mesh, **ctx.shard_options)
+            units += len(blocks) + 1
+        ctx.notes["fsdp_units"] = units
         return model
 
 

@@ -257,17 +257,25 @@ class Ranks:
         values = self.gather(value)
         return sum(values) / len(values)
 
-    def worst_memory(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The memory reading of the rank with the highest allocated peak (its breakdown), with
-        the highest reserved and device-level peaks of any rank: the budget check compares
-        reserved memory on CUDA, and the rank that reserves most may not allocate most."""
-        readings = self.gather(metrics)
+    def worst_memory(self, readings: list[dict[str, float]]) -> dict[str, float]:
+        """Of every rank's memory reading (``gather``), the rank's with the highest allocated
+        peak (its breakdown), with the highest reserved and device-level peaks of any rank: the
+        budget check compares reserved memory on CUDA, and the rank that reserves most may not
+        allocate most."""
         worst = dict(max(readings, key=lambda m: m["peak_allocated_bytes"]))
         for key in ("peak_reserved_bytes", "peak_device_bytes"):
             values = [m[key] for m in readings if key in m]
             if values:
                 worst[key] = max(values)
         return worst
+
+    def memory_by_rank(self, readings: list[dict[str, float]]) -> list[dict[str, Any]]:
+        """Every rank's reading with where it sits on the mesh (``rank``, ``pp``, ``tp``, ...):
+        a pipeline's stages hold different memory by design, and each is worth seeing."""
+        return [
+            {"rank": rank, **self.layout.coordinates(rank), **reading}
+            for rank, reading in enumerate(readings)
+        ]
 
     def combined_speed(self, metrics: dict[str, float]) -> dict[str, float]:
         """Throughput adds up over ranks; every other figure is the worst rank's: a step is as

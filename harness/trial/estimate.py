@@ -72,15 +72,40 @@ def estimate_peak(
 
     ``as_cuda``: run on ``device``'s kernels (the CPU) but account storages as CUDA allocates
     them, for a CUDA target predicted on a machine without a GPU. A multi-rank trial is
-    predicted for rank 0, which holds the largest slice of each batch; every rank computes the
-    same prediction, so all take the same feasibility decision. ``strategies``: the trial's
+    predicted for rank 0, which holds the largest slice of each batch, and under ``pp:N`` for
+    the first rank of every stage (``Layout.roles``), the worst reported with every stage's
+    peak; every rank computes the same prediction, so all take the same feasibility decision. ``strategies``: the trial's
     own strategy objects (``run.train`` builds them once), else built here.
     """
     strategies = strategies or config.strategy.build()
+    roles = config.strategy.layout.roles()
+    if len(roles) > 1:  # a pipeline: each stage holds its own memory
+        return worst_stage([estimate_role(config, device, as_cuda, strategies, r) for r in roles])
+    return estimate_role(config, device, as_cuda, strategies, roles[0])
+
+
+def worst_stage(predictions: list[Prediction]) -> Prediction:
+    """A pipeline's prediction: the stage that needs most (its figures and breakdown), with
+    every stage's peak; a stage's failure is the trial's."""
+    for prediction in predictions:
+        if not prediction.ok:
+            return prediction
+    worst = max(predictions, key=lambda p: p.judged_bytes or 0.0)
+    return replace(worst, stage_peaks=tuple(p.peak_bytes or 0.0 for p in predictions))
+
+
+def estimate_role(
+    config: TrialConfig,
+    device: torch.device,
+    as_cuda: bool,
+    strategies: tuple[Strategy, ...],
+    rank: int,
+) -> Prediction:
+    """The prediction for ``rank``'s role on the mesh (``Layout.roles``)."""
     auto = auto_strategy(strategies)
     # checkpoint:auto / sac:auto try several plans on one build, each warmed up afresh.
     with Predictor(
-        config, device, as_cuda, strategies=strategies, rewarm=auto is not None
+        config, device, as_cuda, strategies=strategies, rewarm=auto is not None, rank=rank
     ) as predictor:
         if auto is not None:
             return choose(predictor, config.batch_size, predictor.budget())

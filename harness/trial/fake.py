@@ -172,11 +172,46 @@ def fake_process_group(ranks: Ranks) -> Iterator[None]:
 
     dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank, world_size=ranks.size)
     try:
-        with meshes_of_real_tensors():
+        with meshes_of_real_tensors(), sends_hold_their_tensors():
             yield
     finally:
         dist.destroy_process_group()
         forget_sharding_decisions()
+
+
+class _HeldWork:
+    """A point-to-point operation's work that keeps its tensors until waited on, as a real
+    backend's does (the fake one's lets them go at once)."""
+
+    def __init__(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
+        self.works, self.tensors = works, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        self.tensors = []
+        return all(work.wait(*args, **kwargs) is not False for work in self.works)
+
+
+@contextlib.contextmanager
+def sends_hold_their_tensors() -> Iterator[None]:
+    """A pipeline schedule's sends and receives, their tensors held until the schedule waits
+    on them: what a real step holds between the two."""
+    try:
+        from torch.distributed.pipelining import schedules
+    except ImportError:  # a build without pipelining: nothing to hold
+        yield
+        return
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        # The fake group's sends may return no work at all: one that holds them stands in.
+        works = original(p2p_ops, desc=desc)
+        return [_HeldWork(works, [op.tensor for op in p2p_ops])] if p2p_ops else works
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
 
 
 @contextlib.contextmanager

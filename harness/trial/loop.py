@@ -44,6 +44,8 @@ class Measurements:
     # CUDA: bytes the planned card holds beside the caching allocator (its context, NCCL), as
     # predicted: the budget left for the allocator is device_memory minus these.
     outside_bytes: int = 0
+    # The peak predicted for this rank's own role (a pipeline stage's), where predicted.
+    own_prediction: float | None = None
 
     @contextlib.contextmanager
     def clock(self, metric: str, device: torch.device | None = None) -> Iterator[None]:
@@ -166,8 +168,17 @@ class TrainingLoop:
             )
         del staged
         assert window.reading is not None
-        reading = setup.ranks.worst_memory(window.reading.metrics())
+        own = window.reading.metrics()
+        if self.measured.own_prediction is not None:
+            own["predicted_peak_bytes"] = self.measured.own_prediction
+        readings = setup.ranks.gather(own)
+        reading = setup.ranks.worst_memory(readings)
+        reading.pop("predicted_peak_bytes", None)
         metrics.update(reading)
+        if setup.ranks.size > 1:  # each rank's own: its peak, breakdown and prediction
+            self.measured.info["rank_memory"] = json.dumps(
+                setup.ranks.memory_by_rank(readings), separators=(",", ":")
+            )
         if "predicted_peak_bytes" in metrics:
             metrics["prediction_ratio"] = (
                 metrics["predicted_peak_bytes"] / reading["peak_allocated_bytes"]

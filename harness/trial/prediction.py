@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
+from harness.units import format_bytes
 
 if TYPE_CHECKING:
     from harness.cuda.device_memory import Replayable
@@ -167,6 +168,8 @@ class Prediction:
     replay: Replayable | None = field(default=None, compare=False, repr=False)
     # checkpoint:auto / sac:auto: the plan chosen for the budget and why ("" without one).
     recomputation: str = ""
+    # pp:N: each stage's predicted peak, first stage first (the figures above: the worst's).
+    stage_peaks: tuple[float, ...] = ()
 
     @classmethod
     def refused(cls, reason: str) -> Prediction:
@@ -216,6 +219,8 @@ class Prediction:
             out.update(self.speed.to_dict())
         if self.recomputation:
             out["recomputation"] = self.recomputation
+        if self.stage_peaks:
+            out["predicted_stage_peaks"] = ", ".join(format_bytes(b) for b in self.stage_peaks)
         return out
 
     @classmethod

@@ -120,7 +120,7 @@ def train(
     )
     # Before joining the process group: a multi-rank estimate runs on a fake group of its own.
     with measured.clock("estimate_time_s"):
-        predict(config, target, measured, strategies)
+        predict(config, target, measured, strategies, ranks.rank)
     device = ranks.start(target)
     measured.info["device"] = str(device)
     emulate_card(device, config.device_memory_bytes, measured.outside_bytes)
@@ -142,6 +142,7 @@ def predict(
     device: torch.device,
     measured: Measurements,
     strategies: tuple[Strategy, ...] | None = None,
+    rank: int = 0,
 ) -> None:
     """Predict the peak before training; a trial that cannot fit is not run (``infeasible``)."""
     prediction = estimate_peak(config, device, strategies=strategies)
@@ -153,6 +154,8 @@ def predict(
     peak = prediction.peak_bytes
     assert peak is not None
     measured.metrics["predicted_peak_bytes"] = peak
+    stage = config.strategy.layout.coordinates(rank).get("pp", 0)
+    measured.own_prediction = prediction.stage_peaks[stage] if prediction.stage_peaks else peak
     if prediction.recomputation:  # checkpoint:auto / sac:auto: the plan chosen, and why
         measured.info["recomputation"] = prediction.recomputation
     speed = prediction.speed

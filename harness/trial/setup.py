@@ -84,6 +84,16 @@ class Setup:
         per-module statistics there).
         """
         self.optimizer.zero_grad(set_to_none=self.set_to_none)
+        if self.task.runs_step:  # a pipeline stage: its schedule runs forwards and backwards
+            with contextlib.ExitStack() as stack:
+                for strategy in self.strategies:
+                    stack.enter_context(strategy.step_context())
+                with self.precision.autocast():
+                    total = self.task.step(batch)
+            if on_micro_batch is not None:
+                on_micro_batch()
+            self.precision.step(self.optimizer)
+            return total
         total = torch.zeros((), device=self.device)
         for part in chunks(batch, self.micro_batches):
             with contextlib.ExitStack() as stack:
@@ -154,6 +164,7 @@ def build_setup(
         construction=construct_on_meta if estimating else contextlib.nullcontext,
         layout=config.strategy.layout,
         rank=ranks.rank,
+        pipeline_micro_batches=config.strategy.pipeline_micro_batches,
     )
     for strategy in strategies:
         context.shard_options.update(strategy.shard_options(context))
@@ -186,7 +197,8 @@ def build_setup(
         model=model,
         task=task,
         optimizer=optimizer,
-        micro_batches=math.prod(s.micro_batches() for s in strategies),
+        # A pipeline splits the batch into its micro-batches itself (accumulate:K's K).
+        micro_batches=1 if task.runs_step else math.prod(s.micro_batches() for s in strategies),
         set_to_none=all(s.zero_grad_set_to_none() for s in strategies),
         # This rank's share: each sample counted once over all ranks (a tensor-parallel pair
         # trains on the same samples).

@@ -24,6 +24,14 @@ class Task:
     loss); ``score`` returns (correct predictions, summed loss, predictions counted) with no
     gradients, for held-out accuracy and loss."""
 
+    # A task whose ``step`` runs a whole optimizer step's forwards and backwards itself (a
+    # pipeline's schedule): the loop calls it instead of ``forward`` and ``backward``.
+    runs_step = False
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        """The step's mean loss over its micro-batches."""
+        raise NotImplementedError
+
     def outputs(self, model: nn.Module, batch: Batch) -> Any:
         """The model's outputs for a batch: an inference pass."""
         raise NotImplementedError
