@@ -44,7 +44,7 @@ class StrategyInfo:
     conflicts: tuple[str, ...] = ()
     requires: str | None = None  # a strategy it modifies, which must be in the combination
     splits_batch: bool = False  # the argument must divide every batch size
-    # The device-mesh dimension its argument sizes (``dp``: ddp/fsdp, ``tp``, ``pp``, ``cp``):
+    # The device-mesh dimension its argument sizes (``dp``: ddp/fsdp, ``tp``, ``pp``):
     # the trial runs on the product of them all (``combination.Layout``).
     mesh_dim: str | None = None
     micro_batches_from_arg: bool = False  # a step runs the argument's number of micro-batches
@@ -372,21 +372,6 @@ STRATEGIES: dict[str, StrategyInfo] = {
             conflicts=(*PARAMETER_REWRITERS, "chunked_ce", "fused_ce", "keep_grads"),
             mesh_dim="pp",
             search_cost=2.0,
-        ),
-        _info(
-            "cp",
-            "context parallelism (PyTorch's context_parallel: ring attention over SDPA): "
-            "each rank holds 1/N of every sequence, so activations are ~1/N; K/V rotate "
-            "round the ranks in attention. CUDA only (its SDPA kernels are flash and "
-            "memory-efficient attention); predicted anywhere",
-            "context_parallel",
-            "ContextParallel",
-            arg="ranks",
-            arg_type=int,
-            devices=("cuda",),
-            families=("gpt", "hf"),
-            conflicts=PARAMETER_REWRITERS,
-            mesh_dim="cp",
         ),
         _info(
             "fsdp_mixed",

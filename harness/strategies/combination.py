@@ -106,9 +106,9 @@ class Term:
 
 
 # The mesh's dimensions, outermost first (torchtitan's order): pipeline stages, data-parallel
-# replicas or shards, context (sequence) shards, tensor shards; neighbouring ranks share the
-# innermost dimension, whose collectives are the most frequent.
-MESH_DIMS = ("pp", "dp", "cp", "tp")
+# replicas or shards, tensor shards; neighbouring ranks share the innermost dimension, whose
+# collectives are the most frequent.
+MESH_DIMS = ("pp", "dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -185,11 +185,10 @@ class Combination:
     def check_layout(self) -> None:
         """The mixes of model-parallel layouts that cannot run, refused with both names."""
         names = self.names
-        if "ddp" in names and ("tp" in names or "cp" in names):
-            other = "tp" if "tp" in names else "cp"
+        if "ddp" in names and "tp" in names:
             raise ValueError(
-                f"'ddp' and {other!r} cannot be combined: DDP does not take DTensor "
-                f"parameters; use fsdp:N with {other}:M"
+                "'ddp' and 'tp' cannot be combined: DDP does not take tensor-parallel "
+                "(DTensor) parameters; use [fsdp:N, tp:M]"
             )
         pipeline = self.term("pp")
         if pipeline is None:
@@ -239,7 +238,7 @@ class Combination:
 
     @property
     def layout(self) -> Layout:
-        """The device mesh its ``ddp``/``fsdp``/``tp``/``pp``/``cp`` terms make."""
+        """The device mesh its ``ddp``/``fsdp``/``tp``/``pp`` terms make."""
         sizes = {
             term.info.mesh_dim: term.number or 1
             for term in self.terms
@@ -284,8 +283,8 @@ class Combination:
 
     @property
     def needs_process_group(self) -> bool:
-        """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``/``tp:N``/``pp:N``/
-        ``cp:N``, ``N = 1`` included."""
+        """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``/``tp:N``/``pp:N``,
+        ``N = 1`` included."""
         return any(info.mesh_dim is not None for info in self.infos)
 
     def check_context(self, dtype: str, family: str, device: str, batch_size: int) -> None:

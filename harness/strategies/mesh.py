@@ -44,7 +44,7 @@ def device_mesh(ctx: TrialContext) -> DeviceMesh:
 
 
 def submesh(ctx: TrialContext, dim: str) -> DeviceMesh:
-    """One dimension of the trial's mesh (``tp``, ``dp``, ``pp``, ``cp``)."""
+    """One dimension of the trial's mesh (``pp``, ``dp``, ``tp``)."""
     mesh = device_mesh(ctx)
     if mesh.mesh_dim_names is not None and len(mesh.mesh_dim_names) == 1:
         return mesh

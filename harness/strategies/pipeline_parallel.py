@@ -119,7 +119,8 @@ class PipelineModel(nn.Module):
 
     def __init__(self, parts: list[Stage], indices: list[int], stages: int) -> None:
         super().__init__()
-        self.parts = nn.ModuleList(parts)
+        self.parts = nn.ModuleList(parts)  # DDP may wrap them
+        self.stage_modules = tuple(parts)  # as cut: what their shapes are read from
         self.blocks = nn.ModuleList(
             block for part in parts for block in _blocks_of(part.model, part.hf)
         )
@@ -269,14 +270,14 @@ class PipelineTask(Task):
         return schedule
 
     def width(self) -> int:
-        config: Any = getattr(self.model.parts[0].model, "config", None)
+        config: Any = getattr(self.model.stage_modules[0].model, "config", None)
         if config is not None:
             return int(config.hidden_size)
         block: Any = self.model.blocks[0]
         return int(block.ln1.normalized_shape[0])
 
     def vocabulary(self) -> int:
-        part: Any = self.model.parts[-1].model
+        part: Any = self.model.stage_modules[-1].model
         if self.hf:
             return int(part.config.vocab_size)
         return int(part.head.out_features)

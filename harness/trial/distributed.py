@@ -119,8 +119,8 @@ class Ranks:
 
     @property
     def batch_parts(self) -> int:
-        """How many ways a global batch is split: one part per data-parallel rank (tensor,
-        context and pipeline ranks of one replica all take the same part)."""
+        """How many ways a global batch is split: one part per data-parallel rank (the tensor
+        and pipeline ranks of one replica all take the same part)."""
         return self.layout.size("dp") if self.layout.sizes else self.size
 
     @property

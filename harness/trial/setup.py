@@ -114,8 +114,8 @@ class Setup:
 def applying_order(strategies: tuple[Strategy, ...]) -> list[Strategy]:
     """The order strategies change the model in: the spec's, except that the layouts that split
     the model itself come first, as they must (a pipeline stage is cut from the whole model,
-    then its blocks split over tensor ranks, then sharded by FSDP): ``pp``, ``tp``, ``cp``."""
-    first = ("pp", "tp", "cp")
+    then its blocks split over tensor ranks, then sharded by FSDP): ``pp``, then ``tp``."""
+    first = ("pp", "tp")
     return sorted(
         strategies,
         key=lambda s: first.index(s.name) if s.name in first else len(first),

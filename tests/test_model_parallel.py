@@ -1,0 +1,241 @@
+"""Tensor and pipeline parallelism (``tp:N``, ``pp:N``), alone and composed with FSDP/DDP.
+
+Each layout runs for real on gloo ranks (torchrun) and is compared with ``none`` of the same
+trial: what each rank holds (the blocks' state split over tensor ranks, the blocks cut into
+stages), the loss (tensor parallelism computes the same numbers), and every rank's prediction,
+made before training on the fake process group, against what that rank measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from harness.spec import SpecError, parse_spec, trial_configs
+from harness.strategies.combination import Combination, Layout
+from harness.strategies.pipeline_parallel import balanced_cuts
+from harness.sweep.launch import launch_trial
+from harness.trial.estimate import estimate_peak
+from tests.conftest import BASE_SPEC, SHORT_TEXT
+
+GPT = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32, "tied": 0}
+# GQA: 4 query heads, 2 key/value heads, so tp:2 gives each rank one of each.
+LLAMA = {
+    "preset": "llama-3.2-1b",
+    "num_hidden_layers": 4,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "seq_len": 32,
+}
+# Not the shipped experiments' shapes: Qwen2's attention has q/k/v biases, 6 layers, 8 heads.
+HELD_OUT = {
+    "preset": "qwen2.5-0.5b",
+    "num_hidden_layers": 6,
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 384,
+    "seq_len": 24,
+}
+WITHIN = 0.02  # every rank's prediction against its measurement
+
+
+def spec(family: str, size: dict[str, Any], strategies: list[Any], batch_size: int = 8) -> dict:
+    data = copy.deepcopy(BASE_SPEC)
+    data["model"] = {"family": family, "sizes": {"s": dict(size)}}
+    data["data"] = dict(SHORT_TEXT)
+    data["grid"].update(batch_size=[batch_size], strategy=strategies)
+    data["train"]["budget"] = {"steps": 6}
+    data["measure"] = {"warmup_steps": 2, "memory_steps": 1, "timed_steps": 2, "timeline": False}
+    return data
+
+
+def run(tmp_path, family: str, size: dict[str, Any], strategies: list[Any]) -> dict[str, Any]:
+    results = {}
+    for config in trial_configs(parse_spec(spec(family, size, strategies))):
+        name = config.strategy_text
+        result = launch_trial(config, tmp_path / name.replace(":", "_"), timeout_s=400)
+        assert result.status == "ok", f"{name}: {result.failure_reason}"
+        results[name] = result
+    return results
+
+
+def ranks_of(result) -> list[dict[str, float]]:
+    return json.loads(result.info["rank_memory"])
+
+
+def assert_every_rank_predicted(result) -> None:
+    for rank in ranks_of(result):
+        ratio = rank["predicted_peak_bytes"] / rank["peak_allocated_bytes"]
+        assert ratio == pytest.approx(1.0, abs=WITHIN), rank
+
+
+def sharded_block_numel(model: torch.nn.Module) -> int:
+    """Elements of the blocks' split projections (weights, and the biases of the column-wise
+    ones; a row-wise bias stays whole on every rank)."""
+    total = 0
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        in_block = any(part in parts for part in ("attn", "self_attn", "mlp"))
+        if not isinstance(module, torch.nn.Linear) or not in_block:
+            continue
+        total += module.weight.numel()
+        rowwise = name.endswith(("attn.proj", "mlp.proj", "o_proj", "down_proj"))
+        if module.bias is not None and not rowwise:
+            total += module.bias.numel()
+    return total
+
+
+def built(family: str, size: dict[str, Any]) -> torch.nn.Module:
+    from harness.workloads import build_workload, describe_dataset
+
+    config = trial_configs(parse_spec(spec(family, size, ["none"])))[0]
+    info = describe_dataset(config.dataset, config.dataset_options, None, config.seed)
+    return build_workload(config.model_family, config.knobs, info, None, config.model_loss).model
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt")
+    return run(path, "gpt", GPT, ["none", "tp:2", "pp:2", "pp:2:gpipe", ["fsdp:2", "tp:2"]])
+
+
+@pytest.fixture(scope="module")
+def llama_runs(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("llama"), "hf", LLAMA, ["none", "tp:2", "pp:2"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt", "hf"])
+def test_tp_splits_the_blocks_state_and_keeps_the_loss(family, gpt_runs, llama_runs):
+    runs, size = (gpt_runs, GPT) if family == "gpt" else (llama_runs, LLAMA)
+    none, tp = runs["none"].metrics, runs["tp:2"].metrics
+    halved = sharded_block_numel(built(family, size)) // 2 * 4  # fp32 bytes one rank sheds
+    assert tp["mem_param_bytes"] == pytest.approx(none["mem_param_bytes"] - halved, rel=1e-3)
+    # AdamW's two moments per parameter
+    assert tp["mem_optim_bytes"] == pytest.approx(none["mem_optim_bytes"] - 2 * halved, rel=1e-3)
+    assert tp["train_loss"] == pytest.approx(none["train_loss"], abs=1e-4)
+    assert_every_rank_predicted(runs["tp:2"])
+    assert [rank["tp"] for rank in ranks_of(runs["tp:2"])] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt", "hf"])
+def test_tp_gradients_are_split_as_predicted(family, gpt_runs, llama_runs):
+    """Parameters, gradients and optimizer state as built (the estimate's model state) fall by
+    four copies of the shed half: the gradients split as the parameters do."""
+    runs, size = (gpt_runs, GPT) if family == "gpt" else (llama_runs, LLAMA)
+    configs = trial_configs(parse_spec(spec(family, size, ["none", "tp:2"])))
+    none, tp = (estimate_peak(c, torch.device("cpu")) for c in configs)
+    halved = sharded_block_numel(built(family, size)) // 2 * 4
+    assert none.model_state_bytes is not None and tp.model_state_bytes is not None
+    shed = none.model_state_bytes - tp.model_state_bytes
+    assert shed == pytest.approx(4 * halved, rel=1e-3)
+    assert tp.peak_bytes == runs["tp:2"].metrics["predicted_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_pp_stage_zero_holds_half_the_blocks(gpt_runs):
+    model = built("gpt", GPT)
+    blocks = sum(p.numel() for p in model.blocks.parameters()) * 4
+    embeddings = sum(p.numel() for p in (model.tok_emb.weight, model.pos_emb.weight)) * 4
+    first, last = ranks_of(gpt_runs["pp:2"])
+    assert (first["pp"], last["pp"]) == (0, 1)
+    assert first["mem_param_bytes"] - embeddings == pytest.approx(blocks / 2, rel=0.01)
+    assert_every_rank_predicted(gpt_runs["pp:2"])
+    assert_every_rank_predicted(gpt_runs["pp:2:gpipe"])
+
+
+@pytest.mark.slow
+def test_1f1b_holds_no_more_activations_than_gpipe(gpt_runs):
+    """Same 4 micro-batches: GPipe runs every forward before any backward, 1F1B starts
+    backwards once the pipeline is full, so its first stage holds fewer micro-batches."""
+    one_f_one_b = ranks_of(gpt_runs["pp:2"])[0]["mem_activation_bytes"]
+    gpipe = ranks_of(gpt_runs["pp:2:gpipe"])[0]["mem_activation_bytes"]
+    assert one_f_one_b <= gpipe
+    assert gpt_runs["pp:2"].info["pp_blocks"] == "0-1, 2-3"
+    # each sample counted once: the pipeline's throughput is not double a stage's
+    tokens = 8 * 32
+    step_s = gpt_runs["pp:2"].metrics["step_time_ms_p50"] / 1000
+    assert gpt_runs["pp:2"].metrics["throughput"] == pytest.approx(tokens / step_s, rel=0.35)
+
+
+@pytest.mark.slow
+def test_fsdp_with_tp_runs_on_four_ranks(gpt_runs):
+    result = gpt_runs["fsdp:2+tp:2"]
+    ranks = ranks_of(result)
+    assert [(r["dp"], r["tp"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_every_rank_predicted(result)
+    assert result.metrics["train_loss"] == pytest.approx(
+        gpt_runs["none"].metrics["train_loss"], abs=1e-3
+    )
+    # a quarter of the blocks' state per rank, near enough: params below tp:2's
+    assert result.metrics["mem_optim_bytes"] < gpt_runs["tp:2"].metrics["mem_optim_bytes"]
+
+
+@pytest.mark.slow
+def test_hf_pipeline_stages_are_predicted(llama_runs):
+    assert_every_rank_predicted(llama_runs["pp:2"])
+    first, last = ranks_of(llama_runs["pp:2"])
+    assert first["mem_param_bytes"] != last["mem_param_bytes"]  # embeddings vs head
+
+
+@pytest.mark.slow
+def test_held_out_decoder(tmp_path):
+    runs = run(tmp_path, "hf", HELD_OUT, ["tp:2", "pp:2", ["fsdp:2", "tp:2"]])
+    for result in runs.values():
+        assert_every_rank_predicted(result)
+
+
+def test_layout_and_world_size():
+    combination = Combination.parse(["fsdp:2", "tp:2"])
+    assert combination.world_size == 4
+    assert combination.layout == Layout((("dp", 2), ("tp", 2)))
+    assert combination.layout.coordinates(3) == {"dp": 1, "tp": 1}
+    assert combination.batch_step == 2  # tensor ranks share their replica's part
+    pipeline = Combination.parse(["pp:2", "tp:2"])
+    assert pipeline.layout.roles() == [0, 2]  # one rank per stage
+    assert pipeline.pipeline_micro_batches == 4 and pipeline.batch_step == 4
+    assert Combination.parse(["pp:2", "accumulate:3"]).batch_step == 3
+    assert Combination.parse(["pp:2:gpipe"]).term("pp").option == "gpipe"
+
+
+@pytest.mark.parametrize(
+    ("strategies", "message"),
+    [
+        (["ddp:2", "tp:2"], "'ddp' and 'tp' cannot be combined"),
+        (["tp:2", "lora:8"], "'tp' and 'lora' cannot be combined"),
+        (["pp:2:zigzag"], "unknown option"),
+        (["pp:2:interleaved", "accumulate:3"], "a multiple of the 2 stages"),
+        (["pp:2", "checkpoint:auto"], "'pp' cannot be combined"),
+    ],
+)
+def test_invalid_layouts_are_refused_in_one_line(strategies, message):
+    with pytest.raises(ValueError, match=message):
+        Combination.parse(strategies)
+
+
+def test_pipeline_batches_must_split_into_micro_batches():
+    with pytest.raises(SpecError, match="splits each batch 4 ways"):
+        parse_spec(spec("gpt", GPT, ["pp:2"], batch_size=6), "pp.yaml")
+
+
+def test_tp_refuses_heads_it_cannot_split():
+    config = trial_configs(parse_spec(spec("gpt", {**GPT, "n_head": 2, "d_model": 64}, ["tp:4"])))[0]
+    prediction = estimate_peak(config, torch.device("cpu"))
+    assert prediction.outcome == "refused" and "n_head (2) must be a multiple of 4" in prediction.reason
+
+
+def test_balanced_cuts():
+    assert balanced_cuts([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert balanced_cuts([4, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
+    assert balanced_cuts([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
