@@ -113,6 +113,10 @@ _DOCS: dict[str, str] = {
     "not counted) per measured median step time, over the device's peak for the dtype most "
     "of them run in (a card's datasheet; on CPU the calibrated matmul rate)",
     "step_time_ratio": "predicted_step_time_ms / step_time_ms_p50 (1.0: exact)",
+    "comm_time_ms": "multi-rank: the time one step spends in collectives (gloo's records on "
+    "CPU, NCCL kernels on CUDA), profiled on a step after the timed window; the slowest rank's",
+    "peak_rank": "multi-rank: the rank whose allocated peak is peak_allocated_bytes (every "
+    "rank's in the rank_memory tag)",
     # Recorded by particular strategies only.
     "sparsity": "prune: fraction of prunable weights that are zero after training",
     "float_linear_weight_bytes": "quantize_int8: bytes of the trained model's Linear weights",
@@ -157,6 +161,7 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
         "step_time_ms_p90",
         "step_time_ms_p99",
         "memory_step_time_ms",
+        "comm_time_ms",
     ),
     (MILLISECONDS, None): ("predicted_step_time_ms",),
     (SECONDS, "lower"): (
@@ -177,7 +182,7 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
     (FRACTION, "higher"): ("accuracy", "int8_accuracy", "mfu"),
     (FRACTION, None): ("timing_steal_fraction", "sparsity", "predicted_mfu"),
     (CORES, None): ("timing_other_busy_cores", "timing_free_cores"),
-    (COUNT, None): ("train_steps",),
+    (COUNT, None): ("train_steps", "peak_rank"),
     (PLAIN, "lower"): ("eval_loss", "train_loss"),
     (PLAIN, None): ("timing_load_avg", "epochs"),
 }

@@ -111,7 +111,9 @@ def gpt_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("llama"), "hf", LLAMA, ["none", "tp:2", "pp:2"])
+    return run(
+        tmp_path_factory.mktemp("llama"), "hf", LLAMA, ["none", "tp:2", "pp:2", ["tp:2", "pp:2"]]
+    )
 
 
 @pytest.mark.slow
@@ -230,9 +232,14 @@ def test_pipeline_batches_must_split_into_micro_batches():
 
 
 def test_tp_refuses_heads_it_cannot_split():
-    config = trial_configs(parse_spec(spec("gpt", {**GPT, "n_head": 2, "d_model": 64}, ["tp:4"])))[0]
+    config = trial_configs(parse_spec(spec("gpt", {**GPT, "n_head": 2, "d_model": 64}, ["tp:4"])))[
+        0
+    ]
     prediction = estimate_peak(config, torch.device("cpu"))
-    assert prediction.outcome == "refused" and "n_head (2) must be a multiple of 4" in prediction.reason
+    assert (
+        prediction.outcome == "refused"
+        and "n_head (2) must be a multiple of 4" in prediction.reason
+    )
 
 
 def test_balanced_cuts():

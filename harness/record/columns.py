@@ -51,6 +51,10 @@ TAGS: dict[str, type] = {
     "checkpoint_policy": str,
     "recomputation": str,
     "loss_chunks": int,
+    # Multi-rank trials: every rank's peak, breakdown and prediction (JSON); pp:N's blocks
+    # per stage.
+    "rank_memory": str,
+    "pp_blocks": str,
 }
 
 # The table's fixed leading columns (the grid's axes and the trial's identity), in order;

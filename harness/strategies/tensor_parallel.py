@@ -151,12 +151,18 @@ class TensorParallel(Strategy):
         require_group("tp")
         ranks = ctx.layout.size("tp")
         sequence = (self.arg or "").partition(":")[2].strip() == "sp"
-        if ctx.family == "gpt":
-            plan = gpt_plan(model, ranks, sequence)
-        elif sequence:
+        if sequence and ctx.family != "gpt":
             raise StrategyError("tp:N:sp: sequence parallelism is planned for gpt only; use tp:N")
-        else:
-            plan = hf_plan(model, ranks)
-        parallelize_module(model, submesh(ctx, "tp"), plan)
-        ctx.notes["tp_modules"] = len(plan)
+        parts = getattr(model, "parts", None)
+        # A pipeline stage (pp:N applied first) is split as a whole model would be.
+        targets = [part.model for part in parts] if isinstance(parts, nn.ModuleList) else [model]
+        planned = 0
+        for target in targets:
+            if ctx.family == "gpt":
+                plan = gpt_plan(target, ranks, sequence)
+            else:
+                plan = hf_plan(target, ranks)
+            parallelize_module(target, submesh(ctx, "tp"), plan)
+            planned += len(plan)
+        ctx.notes["tp_modules"] = planned
         return model

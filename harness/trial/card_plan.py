@@ -29,7 +29,7 @@ import torch
 from harness.contract import CPU_CARD
 from harness.cuda.cards import Card
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import Predictor, closed_form, device_note
+from harness.trial.estimate import Predictor, closed_form, device_note, estimate_peak
 from harness.trial.prediction import Prediction
 from harness.trial.recompute import auto_strategy, choose, choose_on
 from harness.units import format_bytes
@@ -61,6 +61,15 @@ def plan_group(
                 f" of {format_bytes(budget, short=True)}"
             )
 
+    if len(config.strategy.layout.roles()) > 1:  # a pipeline: every stage, each point afresh
+        for name in wanted:
+            for batch in sorted(wanted[name]):
+                if name not in over:
+                    on_cpu = name == CPU_CARD
+                    point = point_of(config, name, batch, cards, budgets)
+                    where = torch.device("cpu") if on_cpu else device
+                    predicted(name, batch, estimate_peak(point, where, as_cuda and not on_cpu))
+        return {"rows": rows_of(config, wanted, cards, budgets, found, over, as_cuda)}
     if CPU_CARD in wanted:
         cpu = torch.device("cpu")
         with Predictor(replace(config, batch_size=batches[0]), cpu, False) as predictor:
@@ -110,22 +119,39 @@ def plan_group(
     finally:
         if predictor is not None:
             predictor.close()
+    return {"rows": rows_of(config, wanted, cards, budgets, found, over, as_cuda)}
+
+
+def point_of(
+    config: TrialConfig, name: str, batch: int, cards: dict[str, Card], budgets: dict[str, Any]
+) -> TrialConfig:
+    """The trial ``config`` would be at ``batch`` on card ``name`` (this host's CPU: no card)."""
+    point = replace(config, batch_size=batch, card=None, device_memory_bytes=None)
+    if name == CPU_CARD:
+        return point
+    budget = budgets.get(name) or cards[name].memory_bytes
+    return replace(point, card=cards[name].to_dict(), device_memory_bytes=budget)
+
+
+def rows_of(
+    config: TrialConfig,
+    wanted: dict[str, set[int]],
+    cards: dict[str, Card],
+    budgets: dict[str, Any],
+    found: dict[tuple[str, int], Prediction],
+    over: dict[str, str],
+    as_cuda: bool,
+) -> list[dict[str, Any]]:
     rows = []
     for name, sizes in wanted.items():
         for batch in sorted(sizes):
-            point = replace(config, batch_size=batch, card=None, device_memory_bytes=None)
-            if name != CPU_CARD:
-                point = replace(
-                    point,
-                    card=cards[name].to_dict(),
-                    device_memory_bytes=budgets.get(name) or cards[name].memory_bytes,
-                )
+            point = point_of(config, name, batch, cards, budgets)
             if (name, batch) in found:
                 rows.append(row(point, found[name, batch], name, as_cuda and name != CPU_CARD))
             else:
                 rows.append({"trial_key": point.trial_key, "batch_size": batch, "card": name,
                              "skipped": over[name]})  # fmt: skip
-    return {"rows": rows}
+    return rows
 
 
 def on_cards(

@@ -22,6 +22,7 @@ import torch
 
 from harness.meters import tracker
 from harness.meters.accuracy import evaluate
+from harness.meters.communication import collective_ms
 from harness.meters.contention import ContentionMeter
 from harness.meters.host import peak_rss_bytes
 from harness.meters.memory import MemoryWindow
@@ -99,6 +100,7 @@ class TrainingLoop:
         config, setup, metrics = self.setup.config, self.setup, self.measured.metrics
         budget = config.budget.total_steps(self.per_epoch)
         measured = config.warmup_steps + config.memory_steps + config.timed_steps
+        measured += self.setup.ranks.size > 1  # the step whose communication is profiled
         with self.measured.clock("train_time_s", setup.device):
             self.warm_up(config.warmup_steps)
             self.measure_memory(config.memory_steps)
@@ -175,6 +177,9 @@ class TrainingLoop:
         reading = setup.ranks.worst_memory(readings)
         reading.pop("predicted_peak_bytes", None)
         metrics.update(reading)
+        if setup.ranks.size > 1:
+            peaks = [r["peak_allocated_bytes"] for r in readings]
+            metrics["peak_rank"] = float(peaks.index(max(peaks)))
         if setup.ranks.size > 1:  # each rank's own: its peak, breakdown and prediction
             self.measured.info["rank_memory"] = json.dumps(
                 setup.ranks.memory_by_rank(readings), separators=(",", ":")
@@ -207,6 +212,11 @@ class TrainingLoop:
         del staged
         speed = timer.metrics(setup.samples_per_step)
         self.measured.metrics.update(setup.ranks.combined_speed(speed))
+        if setup.ranks.size > 1:  # one more step, profiled: its time in collectives
+            batch = self.next_batch()
+            spent, loss = collective_ms(lambda: setup.train_step(batch), setup.device)
+            self.measured.metrics["comm_time_ms"] = setup.ranks.maximum(spent)
+            losses.append(loss)
         self.compare_speed()
         self.record_contention(contention.metrics())
         if self.output_dir is not None and setup.ranks.is_writer:
