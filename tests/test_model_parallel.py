@@ -186,9 +186,22 @@ def test_fsdp_with_tp_runs_on_four_ranks(gpt_runs):
 
 @pytest.mark.slow
 def test_hf_pipeline_stages_are_predicted(llama_runs):
-    assert_every_rank_predicted(llama_runs["pp:2"])
+    """The preset ties its embedding and head: the two ends keep a copy each and sum their
+    gradients, so the pipeline trains the model ``none`` trains."""
+    for name in ("pp:2", "tp:2+pp:2"):
+        assert_every_rank_predicted(llama_runs[name])
+        loss = llama_runs[name].metrics["train_loss"]
+        assert loss == pytest.approx(llama_runs["none"].metrics["train_loss"], abs=1e-4)
     first, last = ranks_of(llama_runs["pp:2"])
     assert first["mem_param_bytes"] != last["mem_param_bytes"]  # embeddings vs head
+
+
+@pytest.mark.slow
+def test_pipeline_keeps_a_tied_gpt_tied(tmp_path):
+    runs = run(tmp_path, "gpt", {**GPT, "tied": 1}, ["none", "pp:2:interleaved"])
+    loss = runs["pp:2:interleaved"].metrics["train_loss"]
+    assert loss == pytest.approx(runs["none"].metrics["train_loss"], abs=1e-4)
+    assert_every_rank_predicted(runs["pp:2:interleaved"])
 
 
 @pytest.mark.slow
@@ -246,3 +259,29 @@ def test_balanced_cuts():
     assert balanced_cuts([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
     assert balanced_cuts([4, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
     assert balanced_cuts([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_fit_searches_the_worst_stage_of_a_pipeline():
+    """harness fit on pp:2: batch sizes the pipeline can split (multiples of its 4
+    micro-batches), judged on the stage that needs most."""
+    from harness.trial.fit import fit_config
+
+    config = trial_configs(parse_spec(spec("gpt", GPT, ["pp:2"])))[0]
+    at_eight = estimate_peak(config, torch.device("cpu"))
+    assert len(at_eight.stage_peaks) == 2 and at_eight.peak_bytes == max(at_eight.stage_peaks)
+    budget = int(at_eight.peak_bytes * 1.3)
+    (row,) = fit_config(config, "batch_size", [budget], 64, torch.device("cpu"))
+    assert row["value"] >= 8 and row["value"] % 4 == 0
+    assert row["predicted_peak_bytes"] <= budget
+
+
+def test_pipeline_step_time_includes_the_bubble():
+    from harness.trial.estimate import bubble_factor
+
+    def factor(strategies):
+        return bubble_factor(trial_configs(parse_spec(spec("gpt", GPT, strategies)))[0])
+
+    assert factor(["none"]) == 1.0
+    assert factor(["pp:2"]) == pytest.approx(5 / 4)  # 4 micro-batches, 1 slot of ramp
+    assert factor(["pp:2:interleaved"]) == pytest.approx(4.5 / 4)
+    assert factor(["pp:2", "accumulate:8"]) == pytest.approx(9 / 8)

@@ -134,6 +134,18 @@ class Layout:
             rank, out[dim] = divmod(rank, size)
         return out
 
+    def pipelines(self) -> list[list[int]]:
+        """The ranks of each pipeline, first stage first: ranks that differ only on ``pp``."""
+        by_rest: dict[tuple[tuple[str, int], ...], list[int]] = {}
+        for rank in range(self.world_size):
+            where = self.coordinates(rank)
+            rest = tuple(sorted((d, i) for d, i in where.items() if d != "pp"))
+            by_rest.setdefault(rest, []).append(rank)
+        return [
+            sorted(ranks, key=lambda r: self.coordinates(r).get("pp", 0))
+            for ranks in by_rest.values()
+        ]
+
     def roles(self) -> list[int]:
         """One rank per distinct memory role, lowest first: a pipeline's stages differ (what
         they hold, how many micro-batches' activations); ranks that differ on any other

@@ -104,6 +104,23 @@ def _cut_hf(model: nn.Module, start: int, end: int, first: bool, last: bool) -> 
     return stage
 
 
+def _tied(model: nn.Module, hf: bool) -> tuple[tuple[nn.Module, str], tuple[nn.Module, str]] | None:
+    """The (module, attribute) of the input embedding's and the output head's weight where the
+    two are one tensor, else None."""
+    hf_model: Any = model
+    if hf:
+        embedding, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+    else:
+        embedding, head = getattr(model, "tok_emb", None), getattr(model, "head", None)
+    if embedding is None or head is None or embedding.weight is not head.weight:
+        return None
+    return (embedding, "weight"), (head, "weight")
+
+
+def _in(module: nn.Module, part: nn.Module) -> bool:
+    return any(module is child for child in part.modules())
+
+
 def _blocks_of(model: nn.Module, hf: bool) -> list[nn.Module]:
     if hf:
         inner: Any = getattr(model, "model", None)
@@ -125,6 +142,10 @@ class PipelineModel(nn.Module):
             block for part in parts for block in _blocks_of(part.model, part.hf)
         )
         self.indices, self.stages = indices, stages
+        # The whole model's embedding and head were one weight (every rank knows), and where
+        # this rank holds a copy: (module, attribute) each.
+        self.had_tied = False
+        self.tied: list[tuple[nn.Module, str]] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("pp: a stage is run by its schedule (PipelineTask.step), not called")
@@ -151,12 +172,19 @@ class PipelineParallel(Strategy):
             cut(model, 0, 0, True, True)  # refuses what it cannot cut, in one line
         cuts = balanced_cuts([_parameters(block) for block in blocks], total)
         indices = [stage + k * ranks for k in range(virtual)]  # round robin (interleaved)
+        tied = _tied(model, hf)
         parts = [
             Stage(cut(model, *cuts[i], i == 0, i == total - 1), hf, first=i == 0) for i in indices
         ]
         ctx.notes["pp_stages"] = total
         ctx.notes["pp_blocks"] = ", ".join(f"{a}-{b - 1}" for a, b in cuts)
-        return PipelineModel(parts, indices, total)
+        pipeline = PipelineModel(parts, indices, total)
+        if tied is not None and total > 1:
+            # The first stage's embedding and the last stage's head were one weight: each end
+            # keeps a copy (same initial values) and their gradients are summed every step.
+            pipeline.had_tied = True
+            pipeline.tied = [t for t in tied if any(_in(t[0], part) for part in parts)]
+        return pipeline
 
     def prepare_task(self, task: Any, model: nn.Module, ctx: TrialContext) -> Any:
         if not isinstance(model, PipelineModel):
@@ -185,6 +213,7 @@ class PipelineTask(Task):
         self.group = submesh(ctx, "pp").get_group()
         self.micro_batches = ctx.pipeline_micro_batches
         self.schedules: dict[tuple[int, ...], Any] = {}  # by input shape
+        self.ends = ends_group(ctx) if model.had_tied else None
 
     @property
     def first(self) -> bool:
@@ -287,10 +316,22 @@ class PipelineTask(Task):
         tokens, targets = self.tokens_and_targets(batch)
         losses: list[torch.Tensor] = []
         self.schedule_for(tokens).step(tokens, target=targets, losses=losses)
+        self.sum_tied_gradients()
         total = torch.zeros((), device=tokens.device)
         for loss in losses:
             total += loss.detach().float()
         return self.shared(total / self.micro_batches)
+
+    def sum_tied_gradients(self) -> None:
+        """The embedding's and the head's gradients summed at both ends of the pipeline: the
+        gradient of the one tied weight, so both copies take the same optimizer step."""
+        for module, name in self.model.tied:
+            weight = getattr(module, name)
+            if weight.grad is None:
+                continue
+            grad = weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.ends)
 
     def shared(self, value: torch.Tensor) -> torch.Tensor:
         """A figure only the last stage knows, on every stage (a sum: the others give 0)."""
@@ -349,6 +390,17 @@ class PipelineTask(Task):
         tensor = torch.empty(dims, dtype=_DTYPES[code], device=device)
         dist.recv(tensor, peer, group=self.group)
         return tensor
+
+
+def ends_group(ctx: TrialContext) -> Any:
+    """The process group of this rank's pipeline's first and last stage. Every rank makes
+    every pipeline's (``new_group`` is collective), in the same order."""
+    mine = None
+    for pipeline in ctx.layout.pipelines():
+        group = dist.new_group([pipeline[0], pipeline[-1]])
+        if ctx.rank in (pipeline[0], pipeline[-1]):
+            mine = group
+    return mine
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)

@@ -80,18 +80,45 @@ def estimate_peak(
     strategies = strategies or config.strategy.build()
     roles = config.strategy.layout.roles()
     if len(roles) > 1:  # a pipeline: each stage holds its own memory
-        return worst_stage([estimate_role(config, device, as_cuda, strategies, r) for r in roles])
+        stages = [estimate_role(config, device, as_cuda, strategies, r) for r in roles]
+        return worst_stage(stages, bubble_factor(config))
     return estimate_role(config, device, as_cuda, strategies, roles[0])
 
 
-def worst_stage(predictions: list[Prediction]) -> Prediction:
-    """A pipeline's prediction: the stage that needs most (its figures and breakdown), with
-    every stage's peak; a stage's failure is the trial's."""
+def bubble_factor(config: TrialConfig) -> float:
+    """How much longer a pipeline's step is than its slowest stage's work: the schedule's idle
+    ramp-up and ramp-down (the bubble). With m micro-batches over p stages GPipe and 1F1B take
+    m + p - 1 micro-batch slots for m micro-batches' work; interleaving v virtual stages per
+    rank shrinks the ramp to (p - 1) / v slots."""
+    term = config.strategy.term("pp")
+    if term is None:
+        return 1.0
+    stages, micro = config.strategy.layout.size("pp"), config.strategy.pipeline_micro_batches
+    virtual = 2 if term.option == "interleaved" else 1
+    return (micro + (stages - 1) / virtual) / micro
+
+
+def worst_stage(predictions: list[Prediction], bubble: float = 1.0) -> Prediction:
+    """A pipeline's prediction: the stage that needs most memory (its figures and breakdown),
+    with every stage's peak; the step as long as the slowest stage's work, stretched by the
+    schedule's bubble. A stage's failure is the trial's."""
     for prediction in predictions:
         if not prediction.ok:
             return prediction
     worst = max(predictions, key=lambda p: p.judged_bytes or 0.0)
-    return replace(worst, stage_peaks=tuple(p.peak_bytes or 0.0 for p in predictions))
+    speeds = [p.speed for p in predictions if p.speed is not None]
+    speed = worst.speed
+    if speed is not None and speeds:
+        slowest = max(speeds, key=lambda s: s.step_time_ms)
+        stretch = slowest.step_time_ms * bubble / speed.step_time_ms
+        speed = replace(
+            speed,
+            step_time_ms=speed.step_time_ms * stretch,
+            throughput=speed.throughput / stretch,
+            mfu=speed.mfu / stretch,
+        )
+    peaks = tuple(p.peak_bytes or 0.0 for p in predictions)
+    return replace(worst, stage_peaks=peaks, speed=speed)
 
 
 def estimate_role(

@@ -37,7 +37,7 @@ import torch
 from harness.contract import DEFAULT_FIT_MAX
 from harness.cuda.device_memory import DeviceMemory
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import Predictor, replay_for_budget, worst_stage
+from harness.trial.estimate import Predictor, bubble_factor, replay_for_budget, worst_stage
 from harness.trial.prediction import PEAK, Prediction
 from harness.trial.recompute import auto_strategy, choose
 from harness.trial.tool import serve
@@ -323,26 +323,25 @@ def fit_config(
     step = axis_step(config, axis)
     auto = config.strategy.chooses_for_budget
     with contextlib.ExitStack() as stack:
-        if axis == "batch_size":  # one model, built once, predicted at every batch size
+        if len(config.strategy.layout.roles()) > 1:
+            # A pipeline: every stage at every value, each on a fake group of its own (one
+            # is up at a time), the worst stage read.
+            curve = Curve(lambda v: predict_fresh(at_value(config, axis, v), device, as_cuda), step)
+            least = None
+        elif axis == "batch_size":  # one model, built once, predicted at every batch size
             # checkpoint:auto / sac:auto: the curve is every block recomputed (the most that
             # fits); at each answer, the least recomputation (another plan: warmed up afresh).
-            # A pipeline's stages each hold their own: one predictor per stage, the worst read.
-            predictors = [
-                stack.enter_context(
-                    Predictor(
-                        at_value(config, axis, step),
-                        device,
-                        as_cuda,
-                        steps_run=1,
-                        totals=True,
-                        rewarm=auto,
-                        rank=rank,
-                    )
+            predictor = stack.enter_context(
+                Predictor(
+                    at_value(config, axis, step),
+                    device,
+                    as_cuda,
+                    steps_run=1,
+                    totals=True,
+                    rewarm=auto,
                 )
-                for rank in config.strategy.layout.roles()
-            ]
-            predictor = predictors[0]
-            curve = Curve(worst_of(predictors), step)
+            )
+            curve = Curve(predictor.predict, step)
             least = least_recomputation(predictor) if auto else None
         else:  # the sequence length shapes the model: each value builds its own
             curve = Curve(lambda v: predict_fresh(at_value(config, axis, v), device, as_cuda), step)
@@ -372,20 +371,16 @@ def least_recomputation(predictor: Predictor) -> Callable[[int, int], Prediction
     return at
 
 
-def worst_of(predictors: list[Predictor]) -> Callable[[int], Prediction]:
-    """A batch size's prediction: the one predictor's, or a pipeline's worst stage."""
-    if len(predictors) == 1:
-        return predictors[0].predict
-    return lambda batch: worst_stage([p.predict(batch) for p in predictors])
-
-
 def predict_fresh(config: TrialConfig, device: torch.device, as_cuda: bool) -> Prediction:
-    """One prediction of a model built for it (a sequence length shapes the model)."""
+    """One prediction of a model built for it (a sequence length shapes the model); a
+    pipeline's worst stage."""
     predictions = []
     for rank in config.strategy.layout.roles():
         with Predictor(config, device, as_cuda, steps_run=1, totals=True, rank=rank) as predictor:
             predictions.append(predictor.predict(config.batch_size))
-    return predictions[0] if len(predictions) == 1 else worst_stage(predictions)
+    return (
+        predictions[0] if len(predictions) == 1 else worst_stage(predictions, bubble_factor(config))
+    )
 
 
 def answers(
