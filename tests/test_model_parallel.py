@@ -284,4 +284,4 @@ def test_pipeline_step_time_includes_the_bubble():
     assert factor(["none"]) == 1.0
     assert factor(["pp:2"]) == pytest.approx(5 / 4)  # 4 micro-batches, 1 slot of ramp
     assert factor(["pp:2:interleaved"]) == pytest.approx(4.5 / 4)
-    assert factor(["pp:2", "accumulate:8"]) == pytest.approx(9 / 8)
+    assert factor([["pp:2", "accumulate:8"]]) == pytest.approx(9 / 8)

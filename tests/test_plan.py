@@ -14,7 +14,7 @@ import torch
 from harness.cuda.cards import CATALOGUE
 from harness.meters.op_costs import COLLECTIVE, FLOPS, OpCall, StepCosts, collective_traffic
 from harness.meters.roofline import step_time
-from harness.spec import load_spec, parse_spec, trial_configs
+from harness.spec import SpecError, load_spec, parse_spec, trial_configs
 from harness.sweep.card_plan import with_gpus
 from harness.trial.card_plan import plan_group
 from harness.trial.estimate import Predictor, estimate_peak
@@ -242,6 +242,18 @@ def test_gpus_puts_every_configuration_on_that_many_cards(base_spec, tmp_path):
     assert texts == ["ddp:8", "lora:4+ddp:8", "fsdp:8", "checkpoint+ddp:8"]
     assert spec.grid.batch_size == [16, 32]  # per card as written, 8 cards
     assert with_gpus(load_spec(write_spec(tmp_path, data)), 1).grid.batch_size == [2, 4]
+
+
+def test_gpus_leaves_tensor_and_pipeline_ranks_and_replicates_the_rest(base_spec, tmp_path):
+    data = gpt_spec(base_spec, device="cuda", card="a100-80gb")
+    data["grid"] = {"batch_size": [8], "dtype": ["bf16"],
+                    "strategy": ["tp:2", ["fsdp:2", "tp:2"], ["pp:2", "ddp:2"], "pp:4"]}  # fmt: skip
+    spec = with_gpus(load_spec(write_spec(tmp_path, data)), 8)
+    texts = [combination.text for combination in spec.grid.strategy]
+    assert texts == ["tp:2+fsdp:4", "fsdp:4+tp:2", "pp:2+ddp:4", "pp:4+ddp:2"]
+    assert {c.world_size for c in spec.grid.strategy} == {8}
+    with pytest.raises(SpecError, match="a multiple of its 4 tensor x pipeline ranks"):
+        with_gpus(load_spec(write_spec(tmp_path, data)), 6)
 
 
 def test_collectives_are_priced_as_a_ring_moves_them_and_overlap_on_a_card():

@@ -213,11 +213,12 @@ def known_cards() -> list[str]:
 
 
 def with_gpus(spec: Spec, gpus: int) -> Spec:
-    """``spec`` with every configuration on ``gpus`` cards: each parallel strategy's N set to
-    ``gpus``; a configuration without one gains ``ddp:gpus`` (``none`` becomes ``ddp:gpus``;
-    nothing is added on one card). The grid's
-    batch sizes stay per card, so the trials' batch (all ranks together) is ``gpus`` times
-    theirs; ``max`` stays ``max``."""
+    """``spec`` with every configuration on ``gpus`` cards: the cards its tensor and pipeline
+    ranks (``tp:T``, ``pp:P``, kept as written) do not take are data-parallel replicas, D =
+    gpus / (T x P): each ``ddp``/``fsdp`` N set to D; a configuration without one gains
+    ``ddp:D`` (``fsdp:D`` beside ``tp``, which DDP cannot take; ``none`` becomes ``ddp:D``;
+    nothing is added for one replica). The grid's batch sizes stay per card, so the trials'
+    batch (all replicas together) is ``gpus`` times theirs; ``max`` stays ``max``."""
     from harness.spec.load import parse_spec, read_yaml
 
     source = spec._source
@@ -225,12 +226,21 @@ def with_gpus(spec: Spec, gpus: int) -> Spec:
     grid = data["grid"]
     texts = []
     for combination in spec.grid.strategy:
+        layout = combination.layout
+        model_parallel = layout.size("tp") * layout.size("pp")
+        if gpus % model_parallel:
+            raise SpecError(
+                f"--gpus {gpus}: {combination.text} needs a multiple of its {model_parallel} "
+                "tensor x pipeline ranks"
+            )
+        dp = gpus // model_parallel
         terms = [
-            f"{term.name}:{gpus}" if term.info.group == "parallel" and term.number else term.text
+            f"{term.name}:{dp}" if term.info.mesh_dim == "dp" and term.number else term.text
             for term in combination.terms
         ]
-        if gpus > 1 and not combination.has_group("parallel"):
-            terms = [term for term in terms if term != "none"] + [f"ddp:{gpus}"]
+        if dp > 1 and not combination.has_group("parallel"):
+            added = "fsdp" if "tp" in combination.names else "ddp"
+            terms = [term for term in terms if term != "none"] + [f"{added}:{dp}"]
         texts.append(terms[0] if len(terms) == 1 else terms)
     grid["strategy"] = [t for i, t in enumerate(texts) if t not in texts[:i]]
     grid["batch_size"] = [b * gpus if isinstance(b, int) else b for b in grid["batch_size"]]
