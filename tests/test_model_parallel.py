@@ -106,13 +106,14 @@ def built(family: str, size: dict[str, Any]) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt")
-    return run(path, "gpt", GPT, ["none", "tp:2", "pp:2", "pp:2:gpipe", ["fsdp:2", "tp:2"]])
+    strategies = ["none", "tp:2", "tp:2:sp", "pp:2", "pp:2:gpipe", ["fsdp:2", "tp:2"]]
+    return run(path, "gpt", GPT, strategies)
 
 
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
     return run(
-        tmp_path_factory.mktemp("llama"), "hf", LLAMA, ["none", "tp:2", "pp:2", ["tp:2", "pp:2"]]
+        tmp_path_factory.mktemp("llama"), "hf", LLAMA, ["none", "tp:2", "tp:2:sp", "pp:2", ["tp:2", "pp:2"]]
     )
 
 
@@ -143,6 +144,17 @@ def test_tp_gradients_are_split_as_predicted(family, gpt_runs, llama_runs):
     shed = none.model_state_bytes - tp.model_state_bytes
     assert shed == pytest.approx(4 * halved, rel=1e-3)
     assert tp.peak_bytes == runs["tp:2"].metrics["predicted_peak_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt", "hf"])
+def test_sequence_parallel_splits_the_norms_activations(family, gpt_runs, llama_runs):
+    runs = gpt_runs if family == "gpt" else llama_runs
+    plain, sequence = runs["tp:2"].metrics, runs["tp:2:sp"].metrics
+    assert sequence["mem_activation_bytes"] < plain["mem_activation_bytes"]
+    assert sequence["mem_param_bytes"] == plain["mem_param_bytes"]
+    assert sequence["train_loss"] == pytest.approx(runs["none"].metrics["train_loss"], abs=1e-4)
+    assert_every_rank_predicted(runs["tp:2:sp"])
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ micro-batches (``accumulate:K``'s K, else 2N): ``gpipe`` (all forwards, then all
 every micro-batch's activations alive at once), ``1f1b`` (the default: a stage runs one
 backward per forward once the pipeline is full, so stage s holds at most N - s micro-batches'
 activations) or ``interleaved`` (two virtual stages per rank, round robin: a smaller bubble, a
-little more activation memory).
+little more activation memory). A weight the embedding and the head share becomes a copy on
+each end, their gradients summed every step, so the pipeline trains the model unsplit training
+would.
 
 What is ours: where to cut a model (``gpt`` and Hugging Face decoders; a stage is the model
 with the other stages' parts removed, so its own ``forward`` still runs it), the static shapes
@@ -166,6 +168,11 @@ class PipelineParallel(Strategy):
         virtual = 2 if self.schedule == "interleaved" else 1
         total = ranks * virtual
         hf = ctx.family == "hf"
+        if hf and not getattr(ctx.task, "causal", False):
+            raise StrategyError(
+                "pp: Hugging Face models are cut for causal language modelling only "
+                f"(this one's task: {getattr(ctx.task, 'task', 'unknown')})"
+            )
         blocks = _blocks_of(model, hf)
         cut = _cut_hf if hf else _cut_gpt
         if hf:

@@ -18,7 +18,7 @@ in one line: a plan guessed from names could run and silently compute something 
 
 ``tp:N:sp`` adds sequence parallelism (``SequenceParallel``): a block's norms and residual
 additions work on 1/N of the sequence, gathered before the column-wise projections and
-reduce-scattered after the row-wise ones, in place of the all-reduce (gpt only).
+reduce-scattered after the row-wise ones, in place of the all-reduce.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from harness.strategies.mesh import require_group, submesh
 # Hugging Face decoder layers whose plan is known: their attention's and MLP's module names.
 HF_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 HF_MLP = ("gate_proj", "up_proj", "down_proj")
+HF_NORMS = ("input_layernorm", "post_attention_layernorm")
 HF_COVERED = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -57,7 +58,20 @@ def _group_heads(linear: nn.Linear, ranks: int) -> None:
             linear.bias.copy_(bias.reshape(out_features).clone())
 
 
-def gpt_plan(model: nn.Module, ranks: int, sequence: bool) -> dict[str, Any]:
+def split_block(
+    plan: dict[str, Any],
+    block: nn.Module,
+    prefix: str,
+    parts: list[tuple[str, tuple[str, ...], str, bool]],
+    norms: tuple[str, ...],
+    sequence: bool,
+) -> None:
+    """One block's entries of the plan. ``parts``: (attention or MLP, its widening projections,
+    its narrowing one, whether the block passes it its input by keyword). With ``sequence``
+    the residual stream inside the block is a DTensor sharded on the sequence (dimension 1):
+    norms run on the local part, each part gathers the whole sequence before its widening
+    projections and its narrowing one reduce-scatters back; the block's output is whole again
+    (``_whole_again``): embeddings, final norm and head stay whole."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -66,39 +80,30 @@ def gpt_plan(model: nn.Module, ranks: int, sequence: bool) -> dict[str, Any]:
         SequenceParallel,
     )
 
-    blocks = list(getattr(model, "blocks", []))
-    if not blocks:
-        raise StrategyError("tp: this gpt has no blocks to split")
-    attention = blocks[0].attn
-    check_divisible("n_head", attention.n_head, ranks)
-    check_divisible("the MLP's width", blocks[0].mlp.fc.out_features, ranks)
-    plan: dict[str, Any] = {}
-    for index, block in enumerate(blocks):
-        _group_heads(block.attn.qkv, ranks)
-        prefix = f"blocks.{index}"
-        if not sequence:
-            plan[f"{prefix}.attn.qkv"] = ColwiseParallel()
-            plan[f"{prefix}.attn.proj"] = RowwiseParallel()
-            plan[f"{prefix}.mlp.fc"] = ColwiseParallel()
-            plan[f"{prefix}.mlp.proj"] = RowwiseParallel()
-            continue
-        # Sequence parallel: the residual stream stays a DTensor sharded on the sequence
-        # (dimension 1) inside the block; whole again at the block's output.
+    if sequence:
         plan[prefix] = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False
         )
-        plan[f"{prefix}.ln1"] = SequenceParallel(use_local_output=False)
-        plan[f"{prefix}.ln2"] = SequenceParallel(use_local_output=False)
-        for part, widen, narrow in (("attn", "qkv", "proj"), ("mlp", "fc", "proj")):
+        for norm in norms:
+            plan[f"{prefix}.{norm}"] = SequenceParallel(use_local_output=False)
+        block.register_forward_hook(_whole_again)
+    for part, widen, narrow, by_keyword in parts:
+        if sequence and by_keyword:
+            plan[f"{prefix}.{part}"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            )
+        elif sequence:
             plan[f"{prefix}.{part}"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
             )
-            plan[f"{prefix}.{part}.{widen}"] = ColwiseParallel()
-            plan[f"{prefix}.{part}.{narrow}"] = RowwiseParallel(
-                output_layouts=Shard(1), use_local_output=False
-            )
-        block.register_forward_hook(_whole_again)
-    return plan
+        for name in widen:
+            plan[f"{prefix}.{part}.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.{part}.{narrow}"] = (
+            RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+            if sequence
+            else RowwiseParallel()
+        )
 
 
 def _whole_again(module: nn.Module, args: Any, output: Any) -> Any:
@@ -106,14 +111,31 @@ def _whole_again(module: nn.Module, args: Any, output: Any) -> Any:
     head, which stay whole) takes the whole sequence."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    if isinstance(output, DTensor):
-        return output.redistribute(output.device_mesh, (Replicate(),)).to_local()
-    return output
+    def whole(tensor: Any) -> Any:
+        if isinstance(tensor, DTensor):
+            return tensor.redistribute(tensor.device_mesh, (Replicate(),)).to_local()
+        return tensor
+
+    if isinstance(output, tuple):  # (hidden_states, ...) from older decoder layers
+        return (whole(output[0]), *output[1:])
+    return whole(output)
 
 
-def hf_plan(model: nn.Module, ranks: int) -> dict[str, Any]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def gpt_plan(model: nn.Module, ranks: int, sequence: bool) -> dict[str, Any]:
+    blocks = list(getattr(model, "blocks", []))
+    if not blocks:
+        raise StrategyError("tp: this gpt has no blocks to split")
+    check_divisible("n_head", blocks[0].attn.n_head, ranks)
+    check_divisible("the MLP's width", blocks[0].mlp.fc.out_features, ranks)
+    plan: dict[str, Any] = {}
+    parts = [("attn", ("qkv",), "proj", False), ("mlp", ("fc",), "proj", False)]
+    for index, block in enumerate(blocks):
+        _group_heads(block.attn.qkv, ranks)
+        split_block(plan, block, f"blocks.{index}", parts, ("ln1", "ln2"), sequence)
+    return plan
 
+
+def hf_plan(model: nn.Module, ranks: int, sequence: bool) -> dict[str, Any]:
     config: Any = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
     try:
@@ -122,6 +144,7 @@ def hf_plan(model: nn.Module, ranks: int) -> dict[str, Any]:
         layers, path = [], ""
     names = {name for layer in layers[:1] for name, _ in layer.named_modules()}
     needed = [f"self_attn.{n}" for n in HF_ATTENTION] + [f"mlp.{n}" for n in HF_MLP]
+    needed += list(HF_NORMS)
     if model_type not in HF_COVERED or not layers or not all(n in names for n in needed):
         raise StrategyError(
             f"tp: no tensor-parallel plan for {model_type!r} (covered: "
@@ -131,14 +154,12 @@ def hf_plan(model: nn.Module, ranks: int) -> dict[str, Any]:
     check_divisible("num_key_value_heads", config.num_key_value_heads, ranks)
     check_divisible("intermediate_size", config.intermediate_size, ranks)
     plan: dict[str, Any] = {}
-    for index in range(len(layers)):
-        prefix = f"{path}.{index}"
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{prefix}.self_attn.{name}"] = ColwiseParallel()
-        plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel()
-        plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+    parts = [
+        ("self_attn", HF_ATTENTION[:3], HF_ATTENTION[3], True),
+        ("mlp", HF_MLP[:2], HF_MLP[2], False),
+    ]
+    for index, layer in enumerate(layers):
+        split_block(plan, layer, f"{path}.{index}", parts, HF_NORMS, sequence)
     return plan
 
 
@@ -151,8 +172,6 @@ class TensorParallel(Strategy):
         require_group("tp")
         ranks = ctx.layout.size("tp")
         sequence = (self.arg or "").partition(":")[2].strip() == "sp"
-        if sequence and ctx.family != "gpt":
-            raise StrategyError("tp:N:sp: sequence parallelism is planned for gpt only; use tp:N")
         parts = getattr(model, "parts", None)
         # A pipeline stage (pp:N applied first) is split as a whole model would be.
         targets = [part.model for part in parts] if isinstance(parts, nn.ModuleList) else [model]
@@ -161,7 +180,7 @@ class TensorParallel(Strategy):
             if ctx.family == "gpt":
                 plan = gpt_plan(target, ranks, sequence)
             else:
-                plan = hf_plan(target, ranks)
+                plan = hf_plan(target, ranks, sequence)
             parallelize_module(target, submesh(ctx, "tp"), plan)
             planned += len(plan)
         ctx.notes["tp_modules"] = planned
