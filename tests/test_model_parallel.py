@@ -113,7 +113,10 @@ def gpt_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
     return run(
-        tmp_path_factory.mktemp("llama"), "hf", LLAMA, ["none", "tp:2", "tp:2:sp", "pp:2", ["tp:2", "pp:2"]]
+        tmp_path_factory.mktemp("llama"),
+        "hf",
+        LLAMA,
+        ["none", "tp:2", "tp:2:sp", "pp:2", ["tp:2", "pp:2"]],
     )
 
 
@@ -297,3 +300,38 @@ def test_pipeline_step_time_includes_the_bubble():
     assert factor(["pp:2"]) == pytest.approx(5 / 4)  # 4 micro-batches, 1 slot of ramp
     assert factor(["pp:2:interleaved"]) == pytest.approx(4.5 / 4)
     assert factor([["pp:2", "accumulate:8"]]) == pytest.approx(9 / 8)
+
+
+def cuda_configs(family: str, size: dict[str, Any], strategies: list[Any]) -> list:
+    data = spec(family, size, strategies, batch_size=4)
+    data.update(device="cuda", card="h100-80gb")
+    data["grid"]["dtype"] = ["bf16"]
+    return trial_configs(parse_spec(data))
+
+
+@pytest.mark.parametrize("family", ["gpt", "hf"])
+def test_cp_is_predicted_for_a_card(family):
+    """Context parallelism runs on CUDA only; its prediction for a card runs here: each rank's
+    activations fall to about a half, its model state stays whole (with fsdp: sharded over
+    data and context ranks together, a quarter on 4 ranks)."""
+    size = GPT if family == "gpt" else LLAMA
+    configs = cuda_configs(family, size, ["none", "cp:2", ["fsdp:2", "cp:2"]])
+    none, cp, sharded = (estimate_peak(c, torch.device("cpu"), as_cuda=True) for c in configs)
+    assert cp.ok and sharded.ok, (cp.reason, sharded.reason)
+    activation = cp.breakdown["activation"] / none.breakdown["activation"]
+    assert 0.2 < activation < 0.6
+    assert cp.breakdown["optim"] == none.breakdown["optim"]
+    # a quarter, and FSDP's padding of every shard to an equal size
+    assert sharded.breakdown["optim"] == pytest.approx(none.breakdown["optim"] / 4, rel=0.12)
+
+
+def test_cp_is_refused_where_it_cannot_run():
+    with pytest.raises(SpecError, match="strategy 'cp' needs device cuda"):
+        parse_spec(spec("gpt", GPT, ["cp:2"]), "cp.yaml")
+    with pytest.raises(ValueError, match="'cp' and 'tp' cannot be combined"):
+        Combination.parse(["cp:2", "tp:2"])
+    (config,) = cuda_configs("gpt", {**GPT, "seq_len": 30}, ["cp:4"])
+    prediction = estimate_peak(config, torch.device("cpu"), as_cuda=True)
+    assert (
+        prediction.outcome == "refused" and "do not split into 8 equal parts" in prediction.reason
+    )

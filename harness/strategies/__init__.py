@@ -44,7 +44,7 @@ class StrategyInfo:
     conflicts: tuple[str, ...] = ()
     requires: str | None = None  # a strategy it modifies, which must be in the combination
     splits_batch: bool = False  # the argument must divide every batch size
-    # The device-mesh dimension its argument sizes (``dp``: ddp/fsdp, ``tp``, ``pp``):
+    # The device-mesh dimension its argument sizes (``dp``: ddp/fsdp, ``tp``, ``pp``, ``cp``):
     # the trial runs on the product of them all (``combination.Layout``).
     mesh_dim: str | None = None
     micro_batches_from_arg: bool = False  # a step runs the argument's number of micro-batches
@@ -372,6 +372,23 @@ STRATEGIES: dict[str, StrategyInfo] = {
             conflicts=(*PARAMETER_REWRITERS, "chunked_ce", "fused_ce", "keep_grads"),
             mesh_dim="pp",
             search_cost=2.0,
+        ),
+        _info(
+            "cp",
+            "context parallelism (PyTorch's context_parallel: ring attention) over N ranks: "
+            "each rank holds 1/N of every sequence, so every activation is ~1/N; keys and "
+            "values rotate round the ranks inside attention; positions and shifted labels "
+            "split with the tokens; gradients averaged over the cp ranks (with fsdp/ddp: over "
+            "both). CUDA only (flash and memory-efficient attention); predicted anywhere. "
+            "Families gpt and hf (causal LMs)",
+            "context_parallel",
+            "ContextParallel",
+            arg="ranks",
+            arg_type=int,
+            devices=("cuda",),
+            families=("gpt", "hf"),
+            conflicts=PARAMETER_REWRITERS,
+            mesh_dim="cp",
         ),
         _info(
             "fsdp_mixed",

@@ -13,7 +13,8 @@ A strategy overrides only the hooks it needs, so strategies compose by being app
 3. ``optimizer(settings, ctx)`` - may replace the optimizer settings (sgd, adafactor, ...).
 4. ``prepare_batch(x)`` - each floating-point tensor of a batch, once on the device (memory
    format, dtype).
-5. ``micro_batches()`` / ``zero_grad_set_to_none()`` / ``step_context()`` - how a step runs.
+5. ``micro_batches()`` / ``zero_grad_set_to_none()`` / ``step_context()`` /
+   ``batch_context(batch)`` - how a step runs.
 6. ``after_training(model, ctx)`` - extra measurements on the trained model (metrics dict).
 """
 
@@ -57,6 +58,7 @@ class TrialContext:
     # (``harness.strategies.mesh``): a torch DeviceMesh.
     layout: Layout = field(default_factory=Layout)
     mesh: Any = None
+    submeshes: dict[str, Any] = field(default_factory=dict)  # flattened ones, made once
     rank: int = 0  # this process's rank in the trial (the estimator's: the role it predicts)
     pipeline_micro_batches: int = 1  # pp:N's micro-batches per step (accumulate:K, else 2N)
 
@@ -103,6 +105,13 @@ class Strategy:
         return True
 
     def step_context(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def batch_context(
+        self, batch: dict[str, torch.Tensor]
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Entered around one micro-batch's forward and backward, with that micro-batch (a
+        dict the strategy may change in place: ``cp`` splits its sequences)."""
         return contextlib.nullcontext()
 
     def after_training(self, model: nn.Module, ctx: TrialContext) -> dict[str, float]:

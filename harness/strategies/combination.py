@@ -106,9 +106,9 @@ class Term:
 
 
 # The mesh's dimensions, outermost first (torchtitan's order): pipeline stages, data-parallel
-# replicas or shards, tensor shards; neighbouring ranks share the innermost dimension, whose
-# collectives are the most frequent.
-MESH_DIMS = ("pp", "dp", "tp")
+# replicas or shards, context (sequence) shards, tensor shards; neighbouring ranks share the
+# innermost dimension, whose collectives are the most frequent.
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,10 @@ class Layout:
 
     def size(self, dim: str) -> int:
         return dict(self.sizes).get(dim, 1)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(dim for dim, _ in self.sizes)
 
     @property
     def world_size(self) -> int:
@@ -197,6 +201,12 @@ class Combination:
     def check_layout(self) -> None:
         """The mixes of model-parallel layouts that cannot run, refused with both names."""
         names = self.names
+        if "cp" in names and ("tp" in names or "pp" in names):
+            other = "tp" if "tp" in names else "pp"
+            raise ValueError(
+                f"'cp' and {other!r} cannot be combined yet: context parallelism composes with "
+                "fsdp and ddp only"
+            )
         if "ddp" in names and "tp" in names:
             raise ValueError(
                 "'ddp' and 'tp' cannot be combined: DDP does not take tensor-parallel "
@@ -250,7 +260,7 @@ class Combination:
 
     @property
     def layout(self) -> Layout:
-        """The device mesh its ``ddp``/``fsdp``/``tp``/``pp`` terms make."""
+        """The device mesh its ``ddp``/``fsdp``/``tp``/``pp``/``cp`` terms make."""
         sizes = {
             term.info.mesh_dim: term.number or 1
             for term in self.terms
@@ -295,8 +305,8 @@ class Combination:
 
     @property
     def needs_process_group(self) -> bool:
-        """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``/``tp:N``/``pp:N``,
-        ``N = 1`` included."""
+        """Whether a trial runs under torchrun: any ``ddp:N``/``fsdp:N``/``tp:N``/``pp:N``/
+        ``cp:N``, ``N = 1`` included."""
         return any(info.mesh_dim is not None for info in self.infos)
 
     def check_context(self, dtype: str, family: str, device: str, batch_size: int) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from harness.strategies.base import Strategy, StrategyError, TrialContext
 from harness.strategies.mesh import require_group, submesh
+from harness.strategies.parallel import Ddp
 from harness.workloads.task import IGNORE
 from harness.workloads.tensors import INPUTS, Batch
 
@@ -66,15 +67,8 @@ class ContextParallel(Strategy):
         model.register_forward_pre_hook(self._hand_over, with_kwargs=True)
         if "dp" in ctx.layout.names:
             return model  # ddp/fsdp average the gradients over dp and cp together
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return DistributedDataParallel(
-            model,
-            device_ids=device_ids,
-            process_group=submesh(ctx, "cp").get_group(),
-            init_sync=not ctx.estimating,
-        )
+        # Alone, the context ranks are one another's replicas: DDP over them.
+        return Ddp().wrap(model, ctx, submesh(ctx, "cp").get_group())
 
     def _hand_over(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         """The split positions (and pre-shifted labels) go in beside the split tokens."""
@@ -108,11 +102,14 @@ class ContextParallel(Strategy):
             extra["shift_labels"] = shifted
         everything = [*buffers.values(), *extra.values()]
         mesh = submesh(self.ctx, "cp")
-        with balanced(not self.hf), context_parallel(
-            mesh,
-            buffers=everything,
-            buffer_seq_dims=[1] * len(everything),
-            no_restore_buffers=set(everything),
+        with (
+            balanced(not self.hf),
+            context_parallel(
+                mesh,
+                buffers=everything,
+                buffer_seq_dims=[1] * len(everything),
+                no_restore_buffers=set(everything),
+            ),
         ):
             self.extra = extra
             try:

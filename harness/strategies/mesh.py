@@ -44,9 +44,16 @@ def device_mesh(ctx: TrialContext) -> DeviceMesh:
 
 
 def submesh(ctx: TrialContext, dim: str) -> DeviceMesh:
-    """One dimension of the trial's mesh (``pp``, ``dp``, ``tp``)."""
+    """One dimension of the trial's mesh (``pp``, ``dp``, ``cp``, ``tp``); ``dp`` with ``cp``:
+    the two flattened into one."""
     mesh = device_mesh(ctx)
     if mesh.mesh_dim_names is not None and len(mesh.mesh_dim_names) == 1:
         return mesh
     with real_tensors():
+        if dim == "dp" and "cp" in ctx.layout.names and "dp" in ctx.layout.names:
+            # Parameters are whole over the context ranks too: FSDP shards, and DDP averages
+            # gradients, over both dimensions as one.
+            if "dp_cp" not in ctx.submeshes:
+                ctx.submeshes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")
+            return ctx.submeshes["dp_cp"]
         return mesh[dim]

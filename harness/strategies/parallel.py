@@ -45,8 +45,10 @@ class Ddp(Strategy):
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         require_group("ddp")
-        # With a pipeline, the replicas of one stage all-reduce among themselves.
-        group = submesh(ctx, "dp").get_group() if ctx.layout.size("pp") > 1 else None
+        # With a pipeline, the replicas of one stage all-reduce among themselves; with context
+        # ranks, the replicas and the context ranks together.
+        others = ctx.layout.size("pp") > 1 or ctx.layout.size("cp") > 1
+        group = submesh(ctx, "dp").get_group() if others else None
         parts = getattr(model, "parts", None)
         if isinstance(parts, nn.ModuleList):  # a pipeline: each stage a replica of its own
             for index, part in enumerate(parts):

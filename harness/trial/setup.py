@@ -99,6 +99,7 @@ class Setup:
             with contextlib.ExitStack() as stack:
                 for strategy in self.strategies:
                     stack.enter_context(strategy.step_context())
+                    stack.enter_context(strategy.batch_context(part))
                 with self.precision.autocast():
                     loss, kept = self.task.forward(self.model, part)
                     loss = loss / self.micro_batches
@@ -114,8 +115,8 @@ class Setup:
 def applying_order(strategies: tuple[Strategy, ...]) -> list[Strategy]:
     """The order strategies change the model in: the spec's, except that the layouts that split
     the model itself come first, as they must (a pipeline stage is cut from the whole model,
-    then its blocks split over tensor ranks, then sharded by FSDP): ``pp``, then ``tp``."""
-    first = ("pp", "tp")
+    then its blocks split over tensor ranks, then sharded by FSDP): ``pp``, ``tp``, ``cp``."""
+    first = ("pp", "tp", "cp")
     return sorted(
         strategies,
         key=lambda s: first.index(s.name) if s.name in first else len(first),

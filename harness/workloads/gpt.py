@@ -74,14 +74,16 @@ class GPT(nn.Module):
         if tied:
             self.head.weight = tok_emb.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        # A pipeline stage other than the first has no embeddings: it takes the previous
-        # stage's hidden states (``harness.strategies.pipeline_parallel``).
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: each token's place in its sequence, where ``idx`` holds a part of
+        each sequence (context parallelism); else 0, 1, ... A pipeline stage other than the
+        first has no embeddings: it takes the previous stage's hidden states."""
         if self.tok_emb is None:
             x = idx
         else:
             assert self.pos_emb is not None
-            positions = torch.arange(idx.shape[1], device=idx.device)
+            if positions is None:
+                positions = torch.arange(idx.shape[1], device=idx.device)
             x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
