@@ -47,7 +47,6 @@ def quiet_stderr() -> Iterator[None]:
 
 def collective_ms(step: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     """Milliseconds ``step`` spent in collectives, and what ``step`` returned."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = device.type == "cuda"
@@ -56,9 +55,9 @@ def collective_ms(step: Callable[[], Any], device: torch.device) -> tuple[float,
         result = step()
         synchronize(device)
     total_us = 0.0
-    for event in profiler.events():
+    for event in profiler.events() or []:
         if on_cuda:
-            if event.device_type == DeviceType.CUDA and "nccl" in event.name.lower():
+            if event.device_type.name == "CUDA" and "nccl" in event.name.lower():
                 total_us += event.device_time_total
         elif event.name.startswith(HOST_PREFIXES):
             total_us += event.cpu_time_total

@@ -97,6 +97,7 @@ class ContextParallel(Strategy):
         extra = {"position_ids" if self.hf else "positions": positions.clone()}
         if self.hf:
             labels = buffers.get("labels", buffers.get(INPUTS, buffers.get("input_ids")))
+            assert labels is not None, "a causal LM's batch holds its token ids"
             shifted = torch.full_like(labels, IGNORE)
             shifted[:, :-1] = labels[:, 1:]
             extra["shift_labels"] = shifted

@@ -174,7 +174,8 @@ class TensorParallel(Strategy):
         sequence = (self.arg or "").partition(":")[2].strip() == "sp"
         parts = getattr(model, "parts", None)
         # A pipeline stage (pp:N applied first) is split as a whole model would be.
-        targets = [part.model for part in parts] if isinstance(parts, nn.ModuleList) else [model]
+        stages: list[Any] = list(parts) if isinstance(parts, nn.ModuleList) else []
+        targets: list[nn.Module] = [stage.model for stage in stages] or [model]
         planned = 0
         for target in targets:
             if ctx.family == "gpt":
