@@ -57,7 +57,9 @@ def test_every_cpu_strategy_runs_in_a_sweep(tmp_path):
     }
     cuda_only = {n for n, info in STRATEGIES.items() if "cpu" not in info.devices}
     conv_only = {"channels_last"}  # covered on the cnn below
-    lm_only = {"chunked_ce"}  # a language model's loss: tests/test_llm_levers.py
+    # a language model's loss (tests/test_llm_levers.py); tensor and pipeline parallelism of
+    # gpt and HF decoders (tests/test_model_parallel.py)
+    lm_only = {"chunked_ce", "tp", "pp"}
     assert covered | cuda_only | conv_only | lm_only == set(STRATEGIES)
 
     spec = copy.deepcopy(BASE_SPEC)

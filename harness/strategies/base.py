@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.strategies.combination import Layout
+from harness.strategies.layout import Layout
 from harness.strategies.settings import LoraSettings, OptimizerSettings
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from harness.strategies.combination import Layout
+from harness.strategies.layout import Layout
 from harness.trial.result import Status, TrialResult
 
 if TYPE_CHECKING:  # torch.distributed re-exports it without declaring it public
