@@ -109,7 +109,7 @@ def llama_runs(tmp_path_factory):
         tmp_path_factory.mktemp("llama"),
         "hf",
         LLAMA,
-        ["none", "tp:2", "tp:2:sp", "pp:2", ["tp:2", "pp:2"]],
+        ["none", "tp:2", "tp:2:sp", "pp:2"],
     )
 
 
@@ -198,12 +198,21 @@ def test_fsdp_with_tp_runs_on_four_ranks(gpt_runs):
 def test_hf_pipeline_stages_are_predicted(llama_runs):
     """The preset ties its embedding and head: the two ends keep a copy each and sum their
     gradients, so the pipeline trains the model ``none`` trains."""
-    for name in ("pp:2", "tp:2+pp:2"):
-        assert_every_rank_predicted(llama_runs[name])
-        loss = llama_runs[name].metrics["train_loss"]
-        assert loss == pytest.approx(llama_runs["none"].metrics["train_loss"], abs=1e-4)
+    assert_every_rank_predicted(llama_runs["pp:2"])
+    loss = llama_runs["pp:2"].metrics["train_loss"]
+    assert loss == pytest.approx(llama_runs["none"].metrics["train_loss"], abs=1e-4)
     first, last = ranks_of(llama_runs["pp:2"])
     assert first["mem_param_bytes"] != last["mem_param_bytes"]  # embeddings vs head
+
+
+def test_tp_within_pipeline_stages_is_predicted():
+    """[tp:2, pp:2] (run on 4 ranks by experiments/parallel_small.yaml): each stage's blocks
+    split over its tensor pair, every stage predicted."""
+    plain, both = trial_configs(parse_spec(spec("hf", LLAMA, ["pp:2", ["tp:2", "pp:2"]])))
+    pipeline, split = (estimate_peak(c, torch.device("cpu")) for c in (plain, both))
+    assert len(split.stage_peaks) == 2
+    for alone, halved in zip(pipeline.stage_peaks, split.stage_peaks, strict=True):
+        assert halved < alone
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ step time alone cannot tell the two apart, so one step, run after the timed wind
 steps stay unprofiled), is profiled and its collectives' durations summed:
 
 - CPU (gloo): the backend records each collective on its worker thread (``gloo:all_reduce``,
-  ``gloo:send``, ...): the wall time the collective took there, waiting for peers included.
+  ``gloo:send``, ...): the wall time the collective took there, waiting for peers included
+  (the autograd profiler, without Kineto: it starts in milliseconds).
 - CUDA (NCCL): the NCCL kernels' device time (``ncclDevKernel_*``); their host-side records only
   time the launch.
 
@@ -47,18 +48,27 @@ def quiet_stderr() -> Iterator[None]:
 
 def collective_ms(step: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     """Milliseconds ``step`` spent in collectives, and what ``step`` returned."""
+    if device.type == "cuda":
+        return _nccl_kernels_ms(step, device)
+    # The autograd profiler without Kineto: it sees gloo's worker-thread records too, and
+    # starts in milliseconds where Kineto takes a second (it probes for GPUs first).
+    profiler: Any = torch.autograd.profiler.profile(use_kineto=False)
+    with quiet_stderr(), profiler:
+        result = step()
+    events = profiler.function_events or []
+    total_us = sum(e.cpu_time_total for e in events if e.name.startswith(HOST_PREFIXES))
+    return total_us / 1000, result
+
+
+def _nccl_kernels_ms(step: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    on_cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
-    with quiet_stderr(), profile(activities=activities) as profiler:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         result = step()
         synchronize(device)
-    total_us = 0.0
-    for event in profiler.events() or []:
-        if on_cuda:
-            if event.device_type.name == "CUDA" and "nccl" in event.name.lower():
-                total_us += event.device_time_total
-        elif event.name.startswith(HOST_PREFIXES):
-            total_us += event.cpu_time_total
+    total_us = sum(
+        event.device_time_total
+        for event in p.events() or []
+        if event.device_type.name == "CUDA" and "nccl" in event.name.lower()
+    )
     return total_us / 1000, result

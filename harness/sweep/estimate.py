@@ -49,6 +49,7 @@ COLUMNS = [
     "estimate_seconds",
     *(outcome.value for outcome in FAILURES),  # refused, unpredictable: why a row has none
     "recomputation",  # checkpoint:auto / sac:auto: the plan chosen for the budget, and why
+    "predicted_stage_peaks",  # pp:N: every stage's peak (the row's figures: the worst's)
     "note",
 ]
 
