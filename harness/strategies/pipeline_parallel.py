@@ -198,7 +198,7 @@ class PipelineParallel(Strategy):
     def prepare_task(self, task: Any, model: nn.Module, ctx: TrialContext) -> Any:
         if not isinstance(model, PipelineModel):
             raise StrategyError("pp: the model was replaced after it was cut into stages")
-        return PipelineTask(task, model, ctx, self.schedule)
+        return PipelineTask(model, ctx, self.schedule)
 
 
 def _hidden_dtype(model: PipelineModel) -> torch.dtype:
@@ -216,17 +216,13 @@ class PipelineTask(Task):
 
     runs_step = True
 
-    def __init__(self, inner: Task, model: PipelineModel, ctx: TrialContext, schedule: str):
-        self.inner, self.model, self.ctx, self.kind = inner, model, ctx, schedule
+    def __init__(self, model: PipelineModel, ctx: TrialContext, schedule: str):
+        self.model, self.ctx, self.kind = model, ctx, schedule
         self.hf = ctx.family == "hf"
         self.group = submesh(ctx, "pp").get_group()
         self.micro_batches = ctx.pipeline_micro_batches
         self.schedules: dict[tuple[int, ...], Any] = {}  # by input shape
         self.ends = ends_group(ctx) if model.had_tied else None
-
-    @property
-    def first(self) -> bool:
-        return 0 in self.model.indices
 
     @property
     def last(self) -> bool:
