@@ -177,10 +177,6 @@ def test_1f1b_holds_no_more_activations_than_gpipe(gpt_runs):
     gpipe = ranks_of(gpt_runs["pp:2:gpipe"])[0]["mem_activation_bytes"]
     assert one_f_one_b <= gpipe
     assert gpt_runs["pp:2"].info["pp_blocks"] == "0-1, 2-3"
-    # each sample counted once: the pipeline's throughput is not double a stage's
-    tokens = 8 * 32
-    step_s = gpt_runs["pp:2"].metrics["step_time_ms_p50"] / 1000
-    assert gpt_runs["pp:2"].metrics["throughput"] == pytest.approx(tokens / step_s, rel=0.35)
 
 
 @pytest.mark.slow
