@@ -22,6 +22,7 @@ FRACTION = "fraction"  # 0..1
 RATIO = "ratio"  # a quotient of two figures (1.0: equal)
 CORES = "cores"
 BYTES_PER_PARAM = "B/param"
+JOULES = "J"
 PLAIN = ""  # a loss, a load average, epochs: a number without a unit
 
 Better = Literal["lower", "higher"] | None
@@ -115,6 +116,11 @@ _DOCS: dict[str, str] = {
     "step_time_ratio": "predicted_step_time_ms / step_time_ms_p50 (1.0: exact)",
     "comm_time_ms": "multi-rank: the time one step spends in collectives (gloo's records on "
     "CPU, NCCL kernels on CUDA), profiled on a step after the timed window; the slowest rank's",
+    "energy_j": "NVIDIA GPUs: joules the trial's GPUs drew over the timed window (NVML's "
+    "cumulative energy counter read around it, summed over ranks' distinct GPUs; the whole "
+    "GPU, other processes included); absent where there is no counter (energy_counter says why)",
+    "energy_per_sample_j": "energy_j per training sample of the timed window (a sequence for "
+    "language models: per token, divide by the sequence length)",
     "peak_rank": "multi-rank: the rank whose allocated peak is peak_allocated_bytes (every "
     "rank's in the rank_memory tag)",
     # Recorded by particular strategies only.
@@ -172,6 +178,7 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
         "eval_time_s",
         "compile_time_s",
     ),
+    (JOULES, "lower"): ("energy_j", "energy_per_sample_j"),
     (RATIO, "lower"): ("step_time_cv",),
     (RATIO, None): (
         "prediction_ratio",
@@ -186,6 +193,10 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
     (PLAIN, "lower"): ("eval_loss", "train_loss"),
     (PLAIN, None): ("timing_load_avg", "epochs"),
 }
+# Measured on CUDA GPUs only: a CPU trial has none of them (not zero).
+CUDA_ONLY_METRICS = frozenset(
+    {"peak_reserved_bytes", "peak_device_bytes", "energy_j", "energy_per_sample_j"}
+)
 _KIND_OF = {name: kind for kind, names in _KINDS.items() for name in names}
 assert len(_KIND_OF) == sum(map(len, _KINDS.values())), "a metric listed under two kinds"
 assert _KIND_OF.keys() == _DOCS.keys(), "every metric has a unit and a meaning"
@@ -224,6 +235,8 @@ def unit_of(column: str) -> str | None:
         return MILLISECONDS
     if column.endswith("_s") or column.endswith("_seconds"):
         return SECONDS
+    if column.endswith("_j"):
+        return JOULES
     return None
 
 
@@ -240,7 +253,7 @@ def format_metric(column: str, value: float, throughput_unit: str | None = None)
         return f"{int(value):,}"
     if unit == THROUGHPUT:
         return format_quantity(value, throughput_unit or "samples/s")
-    if unit in (MILLISECONDS, SECONDS):
+    if unit in (MILLISECONDS, SECONDS, JOULES):
         return format_quantity(value, unit)
     return format_quantity(value)  # accuracy, losses, ratios, fractions, cores: three digits
 

@@ -14,7 +14,8 @@ Modes (``--mode auto`` picks one from ``torch.cuda.is_available()`` in a probe p
   expandable_segments, lora:8}, a tiny Hugging Face Llama over every strategy in bf16 and
   none/checkpoint/lora:8 in fp16, none/lora:8 in fp32; a real CUDA OOM on an emulated 24 GiB card
   (then a clean trial in the same process); the seed article's CNN on CIFAR-shaped synthetic
-  data, fp32 and fp16; ``ddp:1`` and ``fsdp:1`` on nccl. Sized for < 8 min on one H200, with a
+  data, fp32 and fp16; ``ddp:1`` and ``fsdp:1`` on nccl; a fragmenting gpt under three allocator
+  settings (defaults, expandable segments, ``max_split_size_mb:128``). Sized for < 8 min on one H200, with a
   deadline that skips (with a note) what would not start in time. Then every trial that ran is
   predicted again as a machine without a GPU predicts it for this card (CUDA hidden: CUDA's
   rules on CPU kernels), and two Llama trials' allocator snapshots are replayed through the
@@ -71,6 +72,15 @@ CPU_TEXT = {"test_fraction": 0.05}
 GPT_GPU = {"n_layer": 4, "d_model": 512, "n_head": 8, "seq_len": 512}
 GPT_OOM = {"n_layer": 12, "d_model": 768, "n_head": 12, "seq_len": 1024}  # batch 64: ~40 GiB
 GPT_CPU = {"preset": "tiny"}  # 2 layers, d_model 64, seq_len 64
+# The allocator's settings on a workload whose blocks span many sizes (12 layers' activations
+# and attention buffers, MLP intermediates, fp32 Adam state): how far reserved runs above
+# allocated under each.
+GPT_FRAGMENTING = GPT_OOM  # at batch 16: ~10 GiB allocated
+ALLOCATOR_SETTINGS = {
+    "default": None,
+    "expandable": "expandable_segments:True",
+    "max-split-128MiB": "max_split_size_mb:128",
+}
 LLAMA_GPU = {
     "preset": "llama-3.2-1b",
     "num_hidden_layers": 4,
@@ -232,7 +242,14 @@ def plan(mode: str, have: dict[str, bool]) -> list[Check]:
                            steps=steps, timed_steps=timed)  # fmt: skip
             checks.append(Check(f"gpt/bf16/{strategy}", config, launch="torchrun"))
 
-    # 5. A tiny Hugging Face Llama: every strategy in bf16 (what fine-tuning uses), the
+    # 5. The caching allocator's settings on one fragmenting workload (CUDA only).
+    if gpu:
+        for name, allocator in ALLOCATOR_SETTINGS.items():
+            config = trial("gpt", "fragmenting", GPT_FRAGMENTING, "text", "fp32", "none", 16,
+                           steps=8, timed_steps=4, allocator=allocator)  # fmt: skip
+            checks.append(Check(f"allocator/{name}/gpt-12x768/b16", config))
+
+    # 6. A tiny Hugging Face Llama: every strategy in bf16 (what fine-tuning uses), the
     # precision-sensitive ones in fp16 and fp32 (the allocator and offload ones do not
     # depend on the dtype, and a trial that imports transformers costs seconds).
     llama = LLAMA_GPU if gpu else LLAMA_CPU
@@ -588,6 +605,14 @@ def speed_text(check: Check) -> str:
     return f"{ratio:.2f}/{mfu:.0%}" if mfu is not None else f"{ratio:.2f}/-"
 
 
+def energy_text(check: Check) -> str:
+    """``41.2 J``: the GPU's energy over the timed window; ``-`` without a counter."""
+    value = check.metrics.get("energy_j")
+    if value is None:
+        return "-"
+    return f"{value:.3g} J" if value < 1000 else f"{value / 1000:.3g} kJ"
+
+
 def wall_text(check: Check) -> str:
     return "-" if check.wall_s is None else f"{check.wall_s:.1f} s"
 
@@ -602,6 +627,7 @@ COLUMNS = (
     ("cpu-hosted a/r/d", 17, lambda c: ratios_text(c, "cpu_")),
     ("throughput", 16, throughput_text),
     ("step p/m, MFU", 13, speed_text),
+    ("energy", 8, energy_text),
     ("wall", 7, wall_text),
 )
 
@@ -628,7 +654,9 @@ def table(checks: list[Check], header: str, footer: str) -> str:
     return "\n".join(lines)
 
 
-def summary(checks: list[Check], host: dict[str, Any], elapsed: float) -> dict[str, Any]:
+def summary(
+    checks: list[Check], host: dict[str, Any], elapsed: float, complete: bool = True
+) -> dict[str, Any]:
     shown = (
         "peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes", "throughput",
         "predicted_peak_bytes", "predicted_reserved_bytes", "predicted_device_bytes",
@@ -636,9 +664,11 @@ def summary(checks: list[Check], host: dict[str, Any], elapsed: float) -> dict[s
         "cpu_predicted_peak_bytes", "cpu_predicted_reserved_bytes",
         "cpu_predicted_device_bytes", "allocated_after_bytes",
         "step_time_ms_p50", "predicted_step_time_ms", "step_time_ratio", "predicted_mfu", "mfu",
+        "energy_j", "energy_per_sample_j",
     )  # fmt: skip
     return {
         **host,
+        "complete": complete,
         "wall_s": round(elapsed, 2),
         "trials": [
             {
@@ -658,6 +688,8 @@ def summary(checks: list[Check], host: dict[str, Any], elapsed: float) -> dict[s
                 "notes": c.notes,
                 "throughput_unit": c.info.get("throughput_unit"),
                 "snapshot_replay": c.info.get("snapshot_replay"),
+                "energy_counter": c.info.get("energy_counter"),
+                "allocator": c.config.allocator if c.config else None,
                 "metrics": {k: c.metrics[k] for k in shown if k in c.metrics},
                 "wall_s": None if c.wall_s is None else round(c.wall_s, 2),
                 "folder": f"trials/{c.folder_name}" if not c.skip else None,
@@ -763,6 +795,9 @@ def main(argv: list[str]) -> int:
             print(
                 f"  {mark} {member.label}: {member.status}{why} [{wall_text(member)}]", flush=True
             )
+        # What has run so far, should the check be stopped before its end (``complete``).
+        partial = summary(checks, host, time.perf_counter() - start, complete=False)
+        (out / "summary.json").write_text(json.dumps(partial, indent=1) + "\n")
 
     compare_after_oom(checks)
     if mode == "gpu":

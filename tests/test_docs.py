@@ -106,6 +106,7 @@ def test_results_columns_and_dtypes_are_the_documented_ones():
                 "checkpoint_policy": "checkpoint:auto (full: 0-1; keep: 2-3)", "loss_chunks": "8",
                 "recomputation": "checkpoint:auto for 1.00 GiB: ...",
                 "pp_blocks": "0-1, 2-3", "rank_memory": "[]",
+                "energy_counter": "absent: no GPU energy counter on cpu",
             }
         ]
     )  # fmt: skip

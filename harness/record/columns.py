@@ -55,6 +55,8 @@ TAGS: dict[str, type] = {
     # per stage.
     "rank_memory": str,
     "pp_blocks": str,
+    # What energy_j was read from, or why a trial has none.
+    "energy_counter": str,
 }
 
 # The table's fixed leading columns (the grid's axes and the trial's identity), in order;

@@ -39,7 +39,7 @@ from harness.contract import (
 )
 from harness.cuda.allocator import AllocatorConfig
 from harness.cuda.cards import CATALOGUE, Card
-from harness.metrics import METRICS, Objective
+from harness.metrics import CUDA_ONLY_METRICS, METRICS, Objective
 from harness.spec.errors import FieldProblem, did_you_mean, require_known
 from harness.strategies.combination import Combination
 from harness.strategies.settings import (
@@ -645,6 +645,22 @@ class Spec(Strict):
                 f"{self.search.n_trials} exceeds the grid's {size} points "
                 "(use method: grid to run them all)",
             )
+        return self
+
+    @model_validator(mode="after")
+    def objectives_measured_here(self) -> Spec:
+        """A CUDA-only metric as an objective of CPU trials would fail every trial (Optuna is
+        told nothing) and leave the front empty: refused now."""
+        for index, objective in enumerate(self.search.objectives):
+            if objective.metric not in CUDA_ONLY_METRICS:
+                continue
+            device = local_device() if self.device == "auto" else self.device
+            if device == "cpu":
+                raise FieldProblem(
+                    ["search", "objectives", index, "metric"],
+                    f"{objective.metric} is measured on CUDA GPUs only and this spec's trials "
+                    f"run on cpu (device: {self.device}); choose another objective",
+                )
         return self
 
     @property

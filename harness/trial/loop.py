@@ -24,6 +24,7 @@ from harness.meters import tracker
 from harness.meters.accuracy import evaluate
 from harness.meters.communication import collective_ms
 from harness.meters.contention import ContentionMeter
+from harness.meters.energy import EnergyMeter, combine
 from harness.meters.host import peak_rss_bytes
 from harness.meters.memory import MemoryWindow
 from harness.meters.timing import StepTimer, synchronize
@@ -207,11 +208,12 @@ class TrainingLoop:
         # Back to back, the device synchronised only around the window (harness.meters.timing);
         # the losses are read after it, since reading one would synchronise between steps.
         # What else ran on the cores meanwhile is read around exactly those steps.
-        with ContentionMeter() as contention:
+        with ContentionMeter() as contention, EnergyMeter(setup.device) as energy:
             losses = timer.run(setup.train_step, staged)
         del staged
         speed = timer.metrics(setup.samples_per_step)
         self.measured.metrics.update(setup.ranks.combined_speed(speed))
+        self.record_energy(energy, steps)
         if setup.ranks.size > 1:  # one more step, profiled: its time in collectives
             batch = self.next_batch()
             spent, loss = collective_ms(lambda: setup.train_step(batch), setup.device)
@@ -223,6 +225,16 @@ class TrainingLoop:
             self.write_step_times(timer)
         for loss in losses:
             self.record_loss(loss)
+
+    def record_energy(self, meter: EnergyMeter, steps: int) -> None:
+        """The GPUs' energy over the timed window, summed over ranks (``harness.meters.energy``);
+        per training sample (a sequence, not a token) of the window."""
+        assert meter.reading is not None
+        setup = self.setup
+        readings = setup.ranks.gather(meter.reading.as_dict())
+        figures, text = combine(readings, setup.config.batch_size * steps)
+        self.measured.metrics.update(figures)
+        self.measured.info["energy_counter"] = text
 
     def compare_speed(self) -> None:
         """How right the predicted step time was, and the MFU the measured one makes: the
