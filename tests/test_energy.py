@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.meters.energy import EnergyMeter, combine, window_joules
+from harness.meters.energy import EnergyMeter, EnergyReading, combine, window_joules
 from harness.metrics import format_metric, parse_objectives
 from harness.spec import SpecError, parse_spec, trial_configs
 from harness.trial.run import run_trial
@@ -15,7 +15,7 @@ from tests.test_estimate import spec
 
 
 def reading(joules: float | None, gpu: str, seconds: float = 0.5, why: str = "") -> dict:
-    return {"joules": joules, "seconds": seconds, "gpu": gpu, "why": why}
+    return EnergyReading(joules, seconds, gpu, why, refresh_s=0.02, idle_w=80.0).as_dict()
 
 
 def test_the_window_is_the_counters_difference_in_joules():
@@ -28,7 +28,10 @@ def test_the_window_is_the_counters_difference_in_joules():
 def test_ranks_on_distinct_gpus_add_up_and_per_sample_divides_by_the_windows_samples():
     metrics, text = combine([reading(40.0, "GPU-a"), reading(60.0, "GPU-b", 0.7)], samples=200)
     assert metrics == {"energy_j": 100.0, "energy_per_sample_j": 0.5}
-    assert text == "NVML total energy of 2 GPUs over the 700 ms timed window"
+    assert text == (
+        "NVML total energy of 2 GPUs over the 700 ms timed window (the counter refreshed every "
+        "20 ms; 80 W idle subtracted after the window)"
+    )
 
 
 def test_two_ranks_on_one_gpu_count_its_energy_once():

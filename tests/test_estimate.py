@@ -186,3 +186,19 @@ def test_a_bug_in_the_model_is_a_crash_not_an_unpredictable_row(tmp_path):
     kept = log.read_text()
     assert "Traceback (most recent call last)" in kept and "faulty_models.py" in kept
     log.unlink()
+
+
+def test_a_fake_tensor_made_pinned_says_it_is_pinned():
+    """DDP's reducer asserts that its pinned copy of the used-parameter map is pinned (on a
+    card, where the map lives on CUDA); a fake tensor forgets it was made pinned, which crashed
+    the first card run's ddp:1 prediction. The estimator's mode remembers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.trial.fake import ValuesReadAsOne
+
+    with FakeTensorMode(), ValuesReadAsOne() as mode:
+        plain = torch.zeros(4, dtype=torch.int)
+        pinned = torch.empty_like(plain, pin_memory=True)
+        assert pinned.is_pinned() and not plain.is_pinned()
+        del pinned
+        assert not mode.pinned  # forgotten with its tensor

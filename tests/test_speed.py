@@ -265,3 +265,26 @@ def test_mfu_is_over_the_peak_of_the_dtype_the_flops_ran_in():
     assert timed.flops_dtype == "bfloat16"
     assert timed.mfu(line, "fp32") == pytest.approx((1e12 + 1e9) / timed.seconds / 4e12)
     assert timed.mfu(line, "fp32") < 1
+
+
+@pytest.mark.parametrize(
+    "op", [aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention]
+)
+def test_grouped_query_attention_is_counted_as_its_heads_broadcast(op):
+    """A GQA call (2 key/value heads for 8 query heads, ``enable_gqa``) costs what the same call
+    with key/value broadcast to 8 heads costs, forward and backward; torch 2.11's own formula
+    refused these shapes (the first card run's Llama trials crashed on it)."""
+    from harness.meters.op_costs import _FORMULAS
+
+    with FakeTensorMode():
+        query = torch.empty(2, 8, 128, 64)
+        grouped = torch.empty(2, 2, 128, 64)
+        broadcast = torch.empty(2, 8, 128, 64)
+    out = torch.empty(2, 8, 128, 64, device="meta")
+    forward, backward = _FORMULAS[op], _FORMULAS[getattr(aten, op.__name__ + "_backward")]
+    expected = forward(query, broadcast, broadcast, out_val=(out,))
+    assert forward(query, grouped, grouped, out_val=(out,)) == expected > 0
+    grad = (out, out, out)
+    assert backward(out, query, grouped, grouped, out_val=grad) == backward(
+        out, query, broadcast, broadcast, out_val=grad
+    )

@@ -1,4 +1,4 @@
-"""Energy the GPU drew over the timed window: NVML's cumulative energy counter, read twice.
+"""Energy the GPU drew over the timed window: NVML's cumulative energy counter at its refreshes.
 
 Why NVML through ``nvidia-ml-py`` (NVIDIA's own bindings, pure Python over the driver's
 ``libnvidia-ml``) and not ``zeus``: the figure needs two reads of one counter
@@ -6,12 +6,14 @@ Why NVML through ``nvidia-ml-py`` (NVIDIA's own bindings, pure Python over the d
 newer), which is exactly what zeus does underneath on these GPUs; zeus adds a monitor process
 model, its own dependencies and power-limit optimisers this harness does not use.
 
-The counter is read after the device is synchronised at the start of the timed window and again
-after the window's closing synchronisation, so it covers exactly the timed steps (the device idle
-before and after). The driver refreshes the counter periodically (NVIDIA does not publish the
-period; tens of milliseconds on recent GPUs), so a window of a few milliseconds reads coarsely:
-the window's length is recorded beside the figure. The counter counts the whole GPU, other
-processes on it included.
+The driver refreshes the counter periodically, not at every read (NVIDIA does not publish the
+period: the first card's read 0 J over a 33 ms window), so reading it around the window would
+miss or double a refresh. The meter aligns to refreshes instead: with the device idle it waits
+for one refresh and times the next (the period, and the idle power between them), starts the
+window at that refresh, and after the window's closing synchronisation waits for the next
+refresh; the idle power times the wait after the window is subtracted. The counter counts the
+whole GPU, other processes on it included. The ``energy_counter`` tag gives the window, the
+refresh period and the idle power subtracted.
 
 Absent, never zero, where there is no counter: a CPU trial, no ``nvidia-ml-py``, no NVML driver,
 a GPU older than Volta, a counter that went backwards (the driver reloaded). The reason is the
@@ -20,6 +22,7 @@ trial's ``energy_counter`` tag either way.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -30,6 +33,13 @@ import torch
 from harness.meters.timing import synchronize
 
 MILLIJOULES_PER_JOULE = 1000.0
+REFRESH_WAIT_S = 1.0  # a counter that does not move for this long is not counting
+POLL_S = 0.0005  # between reads while waiting for a refresh
+STALLED = f"the NVML energy counter did not advance within {REFRESH_WAIT_S:.0f} s"
+
+
+class _Stalled(Exception):
+    """The counter did not refresh in time."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +50,11 @@ class EnergyReading:
     seconds: float
     gpu: str  # the GPU's NVML identity (its UUID), so two ranks on one GPU count it once
     why: str = ""
+    refresh_s: float = 0.0  # the counter's refresh period, as timed before the window
+    idle_w: float = 0.0  # the GPU's idle power, subtracted for the wait after the window
 
     def as_dict(self) -> dict[str, Any]:
-        return {"joules": self.joules, "seconds": self.seconds, "gpu": self.gpu, "why": self.why}
+        return dataclasses.asdict(self)
 
 
 def window_joules(start_mj: int, end_mj: int) -> float | None:
@@ -65,14 +77,17 @@ def combine(readings: list[dict[str, Any]], samples: float) -> tuple[dict[str, f
     for reading in readings:
         per_gpu.setdefault(reading["gpu"], reading["joules"])
     joules = sum(per_gpu.values())
-    seconds = max(r["seconds"] for r in readings)
     metrics = {"energy_j": joules}
     if samples > 0:
         metrics["energy_per_sample_j"] = joules / samples
     gpus = len(per_gpu)
+    seconds = max(r["seconds"] for r in readings)
+    refresh = max(r.get("refresh_s", 0.0) for r in readings)
+    idle = max(r.get("idle_w", 0.0) for r in readings)
     text = (
         f"NVML total energy of {gpus} GPU{'s' if gpus > 1 else ''} over the "
-        f"{seconds * 1000:.0f} ms timed window"
+        f"{seconds * 1000:.0f} ms timed window (the counter refreshed every "
+        f"{refresh * 1000:.0f} ms; {idle:.0f} W idle subtracted after the window)"
     )
     return metrics, text
 
@@ -87,6 +102,8 @@ class EnergyMeter:
         self.why = ""
         self.start_mj = 0
         self.start_s = 0.0
+        self.refresh_s = 0.0
+        self.idle_w = 0.0
         self.reading: EnergyReading | None = None
         self._open()
 
@@ -112,10 +129,27 @@ class EnergyMeter:
 
         return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
 
+    def _next_refresh(self, seen_mj: int) -> tuple[int, float]:
+        """The counter's next value after ``seen_mj`` and when it appeared (polled)."""
+        deadline = time.perf_counter() + REFRESH_WAIT_S
+        while time.perf_counter() < deadline:
+            value = self._read_mj()
+            if value != seen_mj:
+                return value, time.perf_counter()
+            time.sleep(POLL_S)
+        raise _Stalled
+
     def __enter__(self) -> EnergyMeter:
         if self.handle is not None:
             synchronize(self.device)  # earlier queued work is not the window's
-            self.start_mj = self._read_mj()
+            try:
+                first_mj, first_s = self._next_refresh(self._read_mj())
+                self.start_mj, self.start_s = self._next_refresh(first_mj)
+            except _Stalled:
+                self.handle, self.why = None, STALLED
+            else:
+                self.refresh_s = self.start_s - first_s
+                self.idle_w = (self.start_mj - first_mj) / MILLIJOULES_PER_JOULE / self.refresh_s
         self.start_s = time.perf_counter()
         return self
 
@@ -125,11 +159,30 @@ class EnergyMeter:
         joules = None
         if self.handle is not None:
             synchronize(self.device)
-            joules = window_joules(self.start_mj, self._read_mj())
-            if joules is None:
-                self.why = "the NVML energy counter went backwards (driver reloaded)"
-        seconds = time.perf_counter() - self.start_s
-        self.reading = EnergyReading(joules, seconds, self.gpu or str(self.device), self.why)
+        end_s = time.perf_counter()
+        if self.handle is not None:
+            try:
+                end_mj, refreshed_s = self._next_refresh(self._read_mj())
+            except _Stalled:
+                self.why = STALLED
+            else:
+                joules = window_joules(self.start_mj, end_mj)
+                if joules is None:
+                    self.why = "the NVML energy counter went backwards (driver reloaded)"
+                else:
+                    joules -= self.idle_w * (refreshed_s - end_s)
+                    if joules <= 0:
+                        joules, self.why = (
+                            None,
+                            (
+                                f"the {(end_s - self.start_s) * 1000:.0f} ms window was too short for "
+                                f"the counter (refreshed every {self.refresh_s * 1000:.0f} ms)"
+                            ),
+                        )
+        self.reading = EnergyReading(
+            joules, end_s - self.start_s, self.gpu or str(self.device), self.why,
+            self.refresh_s, self.idle_w,
+        )  # fmt: skip
 
 
 def nvml_handle(pynvml: Any, device: torch.device) -> tuple[Any, str]:

@@ -39,14 +39,41 @@ FLOPS, MEMORY, FREE, COLLECTIVE, NO_RULE = "flops", "memory", "free", "collectiv
 aten = torch.ops.aten
 
 
+def _shape(value: Any) -> Any:
+    return value.shape if isinstance(value, torch.Tensor) else value
+
+
 def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+    return sdpa_flop_count(_shape(query), _shape(key), _shape(value))
 
 
 def _cpu_attention_backward(
     grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 ) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return sdpa_backward_flop_count(_shape(grad_out), _shape(query), _shape(key), _shape(value))
+
+
+def _heads_broadcast(formula: Any, query_at: int) -> Any:
+    """An SDPA formula that counts grouped-query attention (key/value with fewer heads than the
+    query, ``enable_gqa``) as the kernel computes it: every query head against its group's
+    key/value head, i.e. key and value broadcast to the query's heads. torch's own formulas
+    learnt this after 2.11, whose assertion crashed the first card run's Llama trials; shapes
+    (``torch.Size``) stand in for the tensors, which torch's formulas only read shapes of."""
+
+    def count(*args: Any, **kwargs: Any) -> Any:
+        query, key, value = args[query_at : query_at + 3]
+        shaped = all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value))
+        if shaped and key.shape[1] != query.shape[1]:
+            heads = query.shape[1]
+            args = (
+                *args[: query_at + 1],
+                torch.Size((key.shape[0], heads, *key.shape[2:])),
+                torch.Size((value.shape[0], heads, *value.shape[2:])),
+                *args[query_at + 3 :],
+            )
+        return formula(*args, **kwargs)
+
+    return count
 
 
 # torch's formulas take the op's tensors (they are wrapped to read shapes); these are missing.
@@ -55,6 +82,11 @@ _FORMULAS: dict[Any, Any] = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
 }
+# The fused attention ops (query, key, value as batch, heads, sequence, head dim; a backward's
+# after its output gradient) take grouped-query shapes.
+for _op, _formula in list(_FORMULAS.items()):
+    if _op.__name__.startswith("_scaled_dot_product_"):
+        _FORMULAS[_op] = _heads_broadcast(_formula, 1 if _op.__name__.endswith("_backward") else 0)
 
 # Memory-bound ops torch tags neither pointwise nor reduction.
 _MEMORY_OPS = {

@@ -220,7 +220,6 @@ FAST: tuple[Piece, ...] = (
     attr(MEM, "MemTracker._track", "reftype", "t"),
     attr(MEM, "MemTracker._update_and_maybe_create_winfos", "t", "reftype"),
     # read or written on a tracker
-    live("MemTracker()", "_fake_mode_on_entry"),
     live("MemTracker()", "_in_opt"),
     live("MemTracker()", "_in_ac"),
     live("MemTracker()", "_mod_tracker.is_bw"),

@@ -32,6 +32,24 @@ class Engine(MemTracker):
     frozen one refuses hooks.
     """
 
+    _entries = 0  # how deep this tracker is entered (a pipeline stage re-enters it)
+    _entry_fake_mode: Any = None  # the fake mode active when first entered; None in eager
+
+    def __enter__(self) -> Engine:
+        """Notes the fake mode active on entry, as newer MemTrackers do themselves
+        (``_fake_mode_on_entry``): ops of a fake mode entered later (DTensor's sharding
+        propagation) are not the step's. Noted here so a torch whose MemTracker lacks it
+        (2.11, the first card's) keeps the fast engine."""
+        if self._entries == 0:
+            self._entry_fake_mode = active_fake_mode()
+        self._entries += 1
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        self._entries -= 1
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """``MemTracker``'s, minus its per-op costs that buy nothing here: a pytree walk over
         every op's outputs (most ops return one tensor or a flat tuple of them) and a second
@@ -45,7 +63,7 @@ class Engine(MemTracker):
             result = args[0]  # the meta kernel would return a new tensor; eager does not
         else:
             result = func(*args, **(kwargs or {}))
-        if fake_mode is not self._fake_mode_on_entry:
+        if fake_mode is not self._entry_fake_mode:
             return result
         if self._in_opt:
             reftype = _MemRefType.OPT

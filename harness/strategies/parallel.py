@@ -67,6 +67,8 @@ class Ddp(Strategy):
             model,
             device_ids=device_ids,
             init_sync=init_sync,
+            # Estimating: the reducer's bucket rebuild after the first step broadcasts and reads
+            # bucket indices, which fake tensors cannot hold; finding unused parameters skips it.
             find_unused_parameters=ctx.estimating,
             process_group=group,
         )

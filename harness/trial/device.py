@@ -27,7 +27,14 @@ def emulate_card(device: torch.device, budget: int | None, outside: int = 0) -> 
     total = torch.cuda.get_device_properties(device).total_memory
     allowed = budget - outside
     if allowed < total:
-        torch.cuda.set_per_process_memory_fraction(max(allowed, 0) / total, device)
+        torch.cuda.set_per_process_memory_fraction(max(allowed, 0) / total, cuda_index(device))
+
+
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device's ordinal: a single-rank trial's device is plain ``cuda`` (the current
+    one), which ``set_per_process_memory_fraction`` refuses (it needs an index; the first card
+    run found this)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def device_name(device: torch.device) -> str:

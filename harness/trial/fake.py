@@ -5,7 +5,10 @@ needs, except in four places, each handled here:
 
 - **Values read during a step.** A step that reads a scalar (``.item()``: Adafactor's step
   count and parameter norm) gets 1 (``True`` for a flag) from ``ValuesReadAsOne``; the memory
-  a step allocates does not depend on those numbers.
+  a step allocates does not depend on those numbers. The same mode answers ``is_pinned()`` of
+  a fake tensor made with ``pin_memory=True`` (or by ``pin_memory()``) with True: a fake
+  tensor forgets it was pinned, and DDP's reducer asserts that its pinned copy is (on a
+  card, where its used-parameter map lives on CUDA: the first card run found this).
 - **Values read while a model is built.** Constructors that compute Python numbers from
   tensors (timm's stochastic-depth rates: ``torch.linspace(0, rate, depth)[i].item()``) would
   get 1 there too and build a different model (``DropPath(1.0)`` where the real one has
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,6 +84,9 @@ _FACTORIES = {
 }
 
 
+_PINNING = {torch.ops.aten._pin_memory.default}  # what ``Tensor.pin_memory()`` dispatches to
+
+
 class ValuesReadAsOne(TorchDispatchMode):
     """Answers a fake tensor's ``.item()`` with 1 instead of failing (see the module notes).
 
@@ -90,6 +97,9 @@ class ValuesReadAsOne(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.record: Callable[[Any, Any, Any, Any], None] | None = None
+        # Fake tensors made pinned, by id (a tensor's == is elementwise): what ``is_pinned()``
+        # says True for; each entry leaves with its tensor.
+        self.pinned: dict[int, weakref.ref[torch.Tensor]] = {}
 
     @contextlib.contextmanager
     def watching(self, record: Callable[[Any, Any, Any, Any], None]) -> Iterator[None]:
@@ -106,8 +116,18 @@ class ValuesReadAsOne(TorchDispatchMode):
                 result: Any = True
             else:
                 result = 1.0 if tensor.is_floating_point() else 1
+        elif func is torch.ops.aten.is_pinned.default:
+            made = self.pinned.get(id(args[0]))
+            result = (made is not None and made() is args[0]) or func(*args, **(kwargs or {}))
         else:
             result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor) and (
+                (kwargs and kwargs.get("pin_memory")) or func in _PINNING
+            ):
+                key = id(result)
+                self.pinned[key] = weakref.ref(
+                    result, lambda _, key=key: self.pinned.pop(key, None)
+                )
         if self.record is not None:
             self.record(func, args, kwargs, result)
         return result
