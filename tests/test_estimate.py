@@ -14,7 +14,7 @@ from harness.results import load
 from harness.spec import load_spec, parse_spec, trial_configs
 from harness.sweep.estimate import run_trial_tool
 from harness.sweep.launch import launch_trial
-from harness.trial.estimate import closed_form, estimate_peak
+from harness.trial.estimate import DDP_ON_CUDA, closed_form, estimate_peak
 from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC, SHORT_TEXT, copy_fixture, run_cli, write_spec
 
@@ -202,3 +202,13 @@ def test_a_fake_tensor_made_pinned_says_it_is_pinned():
         assert pinned.is_pinned() and not plain.is_pinned()
         del pinned
         assert not mode.pinned  # forgotten with its tensor
+
+
+def test_ddp_on_a_gpu_is_unpredictable_in_the_trial_and_says_where_it_is_predicted():
+    """The first card run's ddp:1 crashed in its own prediction (the reducer's pinned-buffer
+    asserts on fake CUDA tensors): the trial now trains without one and says why."""
+    data = spec("ddp:2", "gpt", GPT8, batch_size=16)
+    data["card"] = "h200"
+    prediction = estimate_peak(trial_configs(parse_spec(data))[0], torch.device("cuda"))
+    assert prediction.outcome == "unpredictable"
+    assert prediction.reason == DDP_ON_CUDA

@@ -31,6 +31,16 @@ MIB = 2**20
 # 1 KiB = 123 MiB), and the result lands inside PyTorch maintainers' "~300-400 MB with lazy
 # loading" (pytorch issues #107667, #109888). An assumption: +-150 MiB, and more as a run loads
 # more kernels (cuDNN, NCCL, flash attention modules).
+# Measured on a card: what a training process held outside the caching allocator on an H200
+# (cudaMemGetInfo's used - memory_reserved after the memory window, 30 single-process trials of
+# the GPU check, 2026-12-04): 751 MiB (fp32 trials) to 767 MiB (bf16/fp16: more kernel modules
+# loaded). The assumption below says 397 MiB for this card: its base came from an idle RTX 3090
+# context on CUDA 12.8; a training process on CUDA 13 loads ~370 MiB more (docs/gpu-validation.md).
+H200_CONTEXT_MIB = 767
+H200_CONTEXT_SOURCE = (
+    "measured: 767 MiB outside the allocator in training (GPU check on an H200, torch "
+    "2.11.0+cu130, driver 580.159.04, 2026-12-04)"
+)
 STACK_BYTES_PER_THREAD = 1024
 CONTEXT_BASE_BYTES = 133 * MIB
 AMD_CONTEXT_BYTES = 512 * MIB  # no published HIP context size was found: an assumption
@@ -124,18 +134,21 @@ def _card(
     memory_source: str,
     peak_source: str = PEAKS,
     vendor: str = "nvidia",
+    context: tuple[int, str] | None = None,
 ) -> Card:
     """A catalogue row as a Card: the row is Card's fields in Card's order (memory in MiB, as
-    torch prints it), then where its numbers come from."""
+    torch prints it), then where its numbers come from; ``context``: a measured CUDA context
+    (MiB, where it was measured), else the assumption."""
     sources = {
         "memory_bytes, compute_capability, sms": memory_source,
         "peak_tflops, bandwidth_tbs, interconnect": peak_source,
-        "context": "assumption (harness.cuda.cards.context_assumption)",
+        "context": context[1] if context else "assumption (harness.cuda.cards.context_assumption)",
     }
     memory = int(mib * MIB)
     return Card(
-        name, device_name, memory, cc, sms, peaks, bandwidth, interconnect, vendor, sources=sources
-    )
+        name, device_name, memory, cc, sms, peaks, bandwidth, interconnect, vendor,
+        context_bytes=context[0] * MIB if context else None, sources=sources,
+    )  # fmt: skip
 
 
 CATALOGUE: dict[str, Card] = {
@@ -176,6 +189,7 @@ CATALOGUE: dict[str, Card] = {
             "NVLink 4 (900 GB/s), PCIe Gen5 x16",
             "torch prints total_memory=143156MB (nvidia-smi 143771 MiB)",
             "NVIDIA H200 datasheet (SXM), dense",
+            context=(H200_CONTEXT_MIB, H200_CONTEXT_SOURCE),
         ),
         _card(
             "b200",

@@ -57,6 +57,14 @@ from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
 HOST_FRACTION = 0.8  # a CPU trial may use at most this share of the RAM available
+# On a GPU, DDP's reducer copies its used-parameter map through a pinned host buffer and
+# asserts on that buffer's pointer, which a fake tensor has not (the first card run, torch
+# 2.11). A machine without a GPU predicts the same trial for a card (CPU kernels, CUDA's
+# rules): that path has no such buffer.
+DDP_ON_CUDA = (
+    "ddp: DDP's reducer asserts on its pinned buffers, which fake CUDA tensors cannot satisfy; "
+    "predict it as a machine without a GPU does (harness estimate --card)"
+)
 
 
 def estimate_peak(
@@ -252,6 +260,9 @@ class Predictor:
             if info.unpredictable is not None:
                 self.failure = Prediction.unpredictable(f"{info.name}: {info.unpredictable}")
                 return
+        if self.device.type == "cuda" and "ddp" in {info.name for info in config.strategy.infos}:
+            self.failure = Prediction.unpredictable(DDP_ON_CUDA)
+            return
         ranks = Ranks(
             rank=self.rank,
             size=config.world_size,
