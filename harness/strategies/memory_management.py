@@ -50,7 +50,24 @@ class OffloadActivations(Strategy):
 
     def step_context(self) -> contextlib.AbstractContextManager[Any]:
         # Pinned host buffers let the copies back to the GPU overlap with compute.
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        host = torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+        def pack(tensor: torch.Tensor) -> tuple[bool, Any]:
+            if tensor.device.type == "cpu":
+                # This strategy is CUDA only, so a CPU tensor here stands for a CUDA one: a
+                # machine without a GPU predicting the trial for a card. Its host copy is not
+                # device memory; on the meta device it is counted nowhere, as on the card.
+                return True, (tensor.device, torch.empty_like(tensor, device="meta"))
+            return False, host.pack_hook(tensor)
+
+        def unpack(packed: tuple[bool, Any]) -> torch.Tensor:
+            standing_in, payload = packed
+            if standing_in:
+                device, copy = payload
+                return torch.empty_like(copy, device=device)  # back on the "card" in backward
+            return host.unpack_hook(payload)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 class ExpandableSegments(Strategy):
