@@ -14,10 +14,13 @@ much less, each with where it comes from:
 - ``MATMUL_HALF_S`` 2.5 us: a matmul that would take this long at the full rate runs at half
   of it (too few tiles to fill the SMs, the kernel's ramp and tail); so the half-rate size in
   FLOPs scales with the card's speed. An assumption, to be checked by the GPU check.
-- ``HOST_OVERHEAD_S`` 10 us per op: eager PyTorch's Python, module and dispatcher cost per
-  aten op on a server CPU (H. He, *Making Deep Learning Go Brrrr From First Principles*,
-  2022: overhead-bound below ~10 us of GPU work per op); ``LAUNCH_GAP_S`` 2 us between
-  back-to-back kernels on the device.
+- ``HOST_OVERHEAD_S`` 23 us per op: eager PyTorch's Python, module, dispatcher and launch
+  cost per aten op that runs a kernel, measured on the first card lent (an H200's host,
+  torch 2.11, 2026-12-04, docs/gpu-validation.md): ten launch-bound trials of the GPU check
+  (small gpt and Llama steps, checkpointed and LoRA ones, a CNN) took 19-33 us per op counted,
+  median 23. (It was 10 us, H. He's "overhead-bound below ~10 us of GPU work per op", 2022:
+  the steps ran 1.5-5.6x longer than predicted.) A host's CPU moves it; ``LAUNCH_GAP_S`` 2 us
+  between back-to-back kernels on the device.
 - The link between ranks: the interconnect's first quoted bandwidth (NVLink's is both
   directions: half of it each way), else the PCIe generation's x16 rate.
 """
@@ -41,7 +44,7 @@ MATMUL_EFFICIENCY = {
 DEFAULT_EFFICIENCY = {"nvidia": 0.80, "amd": 0.60}
 BANDWIDTH_EFFICIENCY = 0.85
 MATMUL_HALF_S = 2.5e-6
-HOST_OVERHEAD_S = 10e-6
+HOST_OVERHEAD_S = 23e-6
 LAUNCH_GAP_S = 2e-6
 PCIE_X16_GBS = {3: 16.0, 4: 32.0, 5: 64.0, 6: 128.0}
 
