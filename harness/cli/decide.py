@@ -130,6 +130,8 @@ def pareto(
     sweep = open_sweep(experiment, sweep_id, tracking_uri)
     chosen = objectives_for(sweep, objectives)
     limit = budget_option(budget) if budget else sweep.device_memory
+    if sweep_id == "all" and by == "auto" and sweep.frame["sweep_run_id"].nunique() > 1:
+        by = "sweep_run_id"  # every sweep of the experiment: a front each (harness compare)
     analysis = run_analysis(sweep, chosen, by, limit)
     where = f"within {format_bytes(limit)}" if limit else "no memory budget"
     console.print(

@@ -6,6 +6,7 @@ import click
 
 from harness.cli.cards import cards
 from harness.cli.common import SpecAwareGroup
+from harness.cli.compare import compare_command
 from harness.cli.decide import pareto, recommend, report, timeline
 from harness.cli.fit import fit
 from harness.cli.plan import estimate, plan, validate
@@ -32,6 +33,7 @@ for command in (
     worker,
     results,
     pareto,
+    compare_command,
     recommend,
     report,
     timeline,

@@ -353,3 +353,33 @@ def runs_named(sweep: Sweep, name: str) -> list[str]:
         ["attributes.start_time ASC"],
     )
     return [run.info.run_id for run in runs]
+
+
+def select_sweep(selector: str, tracking_uri: str = DEFAULT_MLFLOW_URI) -> Sweep:
+    """One recorded sweep named the way ``harness compare`` takes them (docs/results.md,
+    "Naming a sweep"): ``EXPERIMENT`` (its latest sweep), ``EXPERIMENT@RUN_ID`` (a sweep by
+    its parent run id, or the first 6+ characters of it) or ``EXPERIMENT@DEVICE`` (the latest
+    sweep of the experiment whose trials ran on a device whose name contains DEVICE, any case:
+    ``gpt@h100``, ``gpt@AMD EPYC``)."""
+    experiment, at, which = selector.partition("@")
+    if not experiment:
+        raise ResultsError(f"{selector!r}: name an experiment, e.g. digits-cnn@h100")
+    if not at:
+        return load_sweep(experiment, tracking_uri)
+    if not which:
+        raise ResultsError(f"{selector!r}: after '@' give a sweep's run id or a device name")
+    every = load(experiment, tracking_uri, sweep="all")
+    sweeps = every.dropna(subset=["sweep_run_id"])
+    ids = [run_id for run_id in sweeps["sweep_run_id"].unique() if str(run_id).startswith(which)]
+    if len(ids) == 1 and len(which) >= 6:
+        return load_sweep(experiment, tracking_uri, str(ids[0]))
+    names = sweeps["device_name"].fillna("").astype(str)
+    on_device = sweeps[names.str.lower().str.contains(which.lower(), regex=False)]
+    if on_device.empty:
+        seen = sorted({n for n in names if n})
+        raise ResultsError(
+            f"{selector!r}: no sweep of {experiment!r} has run id {which!r} or ran on a device "
+            f"named like it (devices recorded: {', '.join(seen) or 'none'})"
+        )
+    latest = on_device.sort_values("start_time").iloc[-1]["sweep_run_id"]
+    return load_sweep(experiment, tracking_uri, str(latest))
