@@ -160,3 +160,16 @@ def test_pareto_over_every_sweep_draws_a_front_per_sweep(two_sweeps):
     expect_exit(done, 0)
     assert "Per sweep_run_id: hypervolume" in done.stdout
     assert first[:8] in done.stdout and second[:8] in done.stdout
+
+
+@pytest.mark.slow
+def test_a_report_versus_another_sweep_has_a_comparison_section(two_sweeps):
+    folder, _, first, second = two_sweeps
+    page = folder / "report.html"
+    done = run_cli("report", "-e", "unit", "--versus", f"unit@{first}", "--out", str(page),
+                   cwd=folder)  # fmt: skip
+    expect_exit(done, 0)
+    text = page.read_text()
+    assert "<h2>Compared with other sweeps</h2>" in text
+    assert f"unit@{second[:8]}" in text and f"unit@{first}" in text
+    assert "id=\"compare\"" in text or "id='compare'" in text

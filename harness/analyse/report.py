@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from harness.analyse import plots, timelines
+from harness.analyse.compare import Comparison
 from harness.analyse.noise import NOISY_MARK, noise_reason, throughputs_tie
 from harness.analyse.pareto import MEMORY, ParetoAnalysis, rank_fits, unusable
 from harness.analyse.style import BREAKDOWN_LABELS
@@ -372,9 +373,11 @@ def write_report(
     path: Path,
     mlflow_ui: str = MLFLOW_UI,
     experiment_id: str | None = None,
+    comparison: Comparison | None = None,
 ) -> Path:
     """Write the page. ``mlflow_ui``: the MLflow UI the trial links open (``make ui``'s by
-    default); ``experiment_id``: the sweep's MLflow experiment (default: looked up).
+    default); ``experiment_id``: the sweep's MLflow experiment (default: looked up);
+    ``comparison``: this sweep beside others (``harness report --versus``), a section of its own.
     ``ValueError`` (and no file) when no trial can be compared (``unusable``): a page without
     one would read as an answer."""
     reason = unusable(sweep.frame, analysis.objectives)
@@ -423,6 +426,8 @@ def write_report(
     ]
     if len(analysis.dominance) > 1:
         sections += ["<h2>Dominance between fronts</h2>", dominance_table(analysis)]
+    if comparison is not None:
+        sections += comparison_section(comparison)
     sections += [
         "<h2>Where the memory goes</h2>",
         breakdown.to_html(full_html=False, include_plotlyjs=False, div_id="breakdown"),
@@ -439,6 +444,53 @@ def write_report(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page)
     return path
+
+
+def comparison_section(comparison: Comparison) -> list[str]:
+    """This sweep beside the others (``harness.analyse.compare``): every front on one scale,
+    who dominates whom, each matched configuration's ratios to this sweep."""
+    groups = comparison.analysis.groups
+    columns = [("sweep", False), ("trials", True), ("feasible", True), ("front size", True)]
+    columns.append(("hypervolume", True))
+    rows = [
+        [html.escape(str(g["group"])), str(g["trials"]), str(g["feasible"]), str(g["front_size"]),
+         f"{float(g['hypervolume']):.3f}"]
+        for _, g in groups.iterrows()
+    ]  # fmt: skip
+    figure = plots.pareto_figure(comparison.frame, comparison.analysis, "Pareto fronts by sweep")
+    keys = [c for c in comparison.matched.columns if "/" not in c and " " not in c]
+    ratios = [c for c in comparison.matched.columns if "/" in c]
+    matched_rows = [
+        [html.escape(str(row[c])) for c in keys] + [f"{float(row[c]):.2f}x" for c in ratios]
+        for _, row in comparison.matched.iterrows()
+    ]
+    section = [
+        "<h2>Compared with other sweeps</h2>",
+        "<p>Every front scaled over the feasible trials of all these sweeps together (one "
+        f"reference point); ratios are to {html.escape(comparison.labels[0])}, over the "
+        "configurations every sweep finished ok.</p>",
+        table(columns, rows),
+        "<ul>"
+        + "".join(
+            f"<li>{html.escape(line)}</li>"
+            for line in comparison.dominance_lines() + comparison.ratio_lines()
+        )
+        + "</ul>",
+        figure.to_html(full_html=False, include_plotlyjs=False, div_id="compare"),
+    ]
+    if matched_rows:
+        heads = [(html.escape(c), False) for c in keys] + [(html.escape(c), True) for c in ratios]
+        section.append(table(heads, matched_rows))
+    if not comparison.missing.empty:
+        missing = comparison.missing
+        section += [
+            "<p>Not in every sweep (each sweep's status there, or absent):</p>",
+            table(
+                [(html.escape(str(c)), False) for c in missing.columns],
+                [[html.escape(str(v)) for v in row] for row in missing.to_numpy()],
+            ),
+        ]
+    return section
 
 
 def front_timelines(sweep: Sweep, analysis: ParetoAnalysis) -> list[str]:

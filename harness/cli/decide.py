@@ -281,6 +281,12 @@ def budget_at_least(num: float) -> str:
     help="Where the trial links point: the MLflow UI serving this store (make ui's address, "
     "or your tracking server's).",
 )
+@click.option(
+    "--versus",
+    multiple=True,
+    help="Another sweep to compare with (EXPERIMENT, EXPERIMENT@RUN_ID or EXPERIMENT@DEVICE, "
+    "as harness compare names them); repeatable.",
+)
 def report(
     experiment: str | None,
     sweep_id: str,
@@ -288,16 +294,30 @@ def report(
     by: str,
     out: Path | None,
     mlflow_ui: str,
+    versus: tuple[str, ...],
 ) -> None:
     """One self-contained HTML page for a sweep: the recommendation under the budget first,
-    then the fronts, the memory breakdowns and timelines, every trial linked to its run."""
+    then the fronts, the memory breakdowns and timelines, every trial linked to its run; with
+    --versus, a section comparing it with other sweeps."""
+    from harness.analyse.compare import compare
     from harness.analyse.report import write_report
+    from harness.cli.compare import open_selected
 
     sweep = open_sweep(experiment, sweep_id, tracking_uri)
     objectives = objectives_for(sweep, None)
     analysis = run_analysis(sweep, objectives, by, sweep.device_memory)
+    comparison = None
+    if versus:
+        label = f"{sweep.experiment}@{sweep.parent_run_id[:8]}"
+        others = {s: open_selected(s, tracking_uri).frame for s in versus if s != label}
+        try:
+            comparison = compare({label: sweep.frame, **others}, objectives)
+        except ValueError as error:
+            raise click.ClickException(str(error)) from None
     target = out or output_dir(sweep, None) / "report.html"
-    path = write_report(sweep, analysis, objectives, target, mlflow_ui=mlflow_ui.rstrip("/"))
+    path = write_report(
+        sweep, analysis, objectives, target, mlflow_ui=mlflow_ui.rstrip("/"), comparison=comparison
+    )
     publish(sweep.tracking_uri, sweep.parent_run_id, [path], "report")
     click.echo(f"wrote {path} (also on MLflow run {sweep.parent_run_id})")
 
