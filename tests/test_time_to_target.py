@@ -1,6 +1,6 @@
 """Quality during training and time to a target (``train.budget.eval_every``, ``target``):
 the trials that reach a target and the ones that do not, the eval curve, perplexity, the spec's
-errors, and one sweep recording it all in MLflow."""
+errors, ranking by time to target, and one sweep recording it all in MLflow."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import copy
 import math
 from typing import Any
 
+import pandas as pd
 import pytest
 
+from harness.analyse.pareto import rank_fits
 from harness.spec import SpecError, parse_spec, trial_configs
 from harness.trial.config import Budget
 from harness.trial.result import TrialResult
@@ -141,6 +143,19 @@ def test_the_step_forms_of_the_budget_are_unchanged():
         parse_spec(spec_with({"steps": 5, "epochs": 1}))
 
 
+def test_ranking_by_time_to_target_puts_the_fastest_first_and_leaves_misses_out():
+    frame = pd.DataFrame(
+        {
+            "status": ["ok", "ok", "ok"],
+            "peak_allocated_bytes": [1.0, 1.0, 1.0],
+            "time_to_target_s": [3.0, float("nan"), 1.0],
+            "strategy": ["slow", "missed", "fast"],
+        }
+    )
+    ranked = rank_fits(frame, 2.0, "time_to_target_s").trials
+    assert ranked["strategy"].tolist() == ["fast", "slow"]
+
+
 @pytest.mark.slow
 def test_a_sweep_records_time_to_target_and_the_curve_in_mlflow(tmp_path):
     from mlflow.tracking import MlflowClient
@@ -165,3 +180,8 @@ def test_a_sweep_records_time_to_target_and_the_curve_in_mlflow(tmp_path):
         history = sorted(client.get_metric_history(row["run_id"], name), key=lambda m: m.step)
         assert history[0].step == 0
         assert history[-1].step == row["steps_to_target"]
+    recommended = run_cli(
+        "recommend", "--budget", "1GiB", "--objective", "time_to_target_s", cwd=tmp_path
+    )
+    assert recommended.returncode == 0, recommended.stdout + recommended.stderr
+    assert "Recommended:" in recommended.stdout and "time_to_target_s" in recommended.stdout
