@@ -14,7 +14,7 @@ import pytest
 from harness.analyse.pareto import rank_fits
 from harness.spec import SpecError, parse_spec, trial_configs
 from harness.trial.config import Budget
-from harness.trial.result import TrialResult
+from harness.trial.result import Status, TrialResult
 from harness.trial.run import run_trial
 from tests.conftest import BASE_SPEC, SHORT_TEXT, run_cli, write_spec
 
@@ -154,6 +154,21 @@ def test_ranking_by_time_to_target_puts_the_fastest_first_and_leaves_misses_out(
     )
     ranked = rank_fits(frame, 2.0, "time_to_target_s").trials
     assert ranked["strategy"].tolist() == ["fast", "slow"]
+
+
+def test_optuna_is_told_a_missed_target_failed_and_a_reached_one_its_time():
+    from harness.sweep.plan import objective_values
+
+    objectives = [
+        {"metric": "time_to_target_s", "direction": "minimize"},
+        {"metric": "reached_target", "direction": "maximize"},
+    ]
+    budget = {"target": {"metric": "accuracy", "above": 0.9}, "max_steps": 9, "eval_every": 3}
+    spec = parse_spec(spec_with(budget, search={"objectives": objectives}))
+    reached = {"reached_target": 1.0, "steps_to_target": 6.0, "time_to_target_s": 0.5}
+    assert objective_values(spec, TrialResult("k", Status.OK, metrics=reached)) == [0.5, 1.0]
+    missed = TrialResult("k", Status.OK, metrics={"reached_target": 0.0})
+    assert objective_values(spec, missed) is None  # no time reached it: FAIL, not a number
 
 
 @pytest.mark.slow
