@@ -78,8 +78,19 @@ _DOCS: dict[str, str] = {
     "left for the trial's torch_threads (the fewest of any rank)",
     "timing_load_avg": "the 1-minute load average at the end of the timed window (the trial's "
     "own threads included)",
-    "accuracy": "held-out accuracy after the training budget",
-    "eval_loss": "held-out cross-entropy after the training budget",
+    "accuracy": "held-out accuracy after the training budget (with train.budget.eval_every, "
+    "also the MLflow metric history accuracy_step)",
+    "eval_loss": "held-out cross-entropy after the training budget (per token for language "
+    "models; with train.budget.eval_every, also the MLflow metric history eval_loss_step)",
+    "perplexity": "language models only (gpt, a Hugging Face causal LM): exp(eval_loss), the "
+    "held-out per-token perplexity (with eval_every, also perplexity_step); absent for "
+    "classifiers",
+    "reached_target": "train.budget.target: 1.0 when an evaluation met the target within "
+    "max_steps, else 0.0",
+    "steps_to_target": "train.budget.target: optimizer steps taken before the evaluation that "
+    "first met it (measured phases' steps included); absent when it was not met",
+    "time_to_target_s": "train.budget.target: seconds of training steps before the evaluation "
+    "that first met it, evaluations excluded (as MLPerf's time to train); absent when not met",
     "train_loss": "mean training loss over the last epoch's worth of steps "
     "(the loss curve is the MLflow metric history train_loss_step, at most 250 points)",
     "train_steps": "optimizer steps taken (the budget, or the measured steps if more)",
@@ -100,8 +111,9 @@ _DOCS: dict[str, str] = {
     "estimate_time_s": "seconds the in-trial peak prediction took (before training)",
     "setup_time_s": "seconds loading the dataset and building model, strategies and optimizer",
     "train_time_s": "seconds of all training steps: warm-up, memory window, timed steps and "
-    "the rest of the budget",
-    "eval_time_s": "seconds of the held-out evaluation (and strategies' post-training checks)",
+    "the rest of the budget (evaluations between steps excluded)",
+    "eval_time_s": "seconds of the held-out evaluation (and strategies' post-training checks); "
+    "with train.budget.eval_every, the evaluations during training too",
     "memory_step_time_ms": "mean wall time of a step inside the memory window, where tensor "
     "accounting runs (compare with step_time_ms_p50: why the windows are separate)",
     "predicted_step_time_ms": "the step's time predicted before training from its ops' FLOPs "
@@ -177,6 +189,7 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
         "train_time_s",
         "eval_time_s",
         "compile_time_s",
+        "time_to_target_s",
     ),
     (JOULES, "lower"): ("energy_j", "energy_per_sample_j"),
     (RATIO, "lower"): ("step_time_cv",),
@@ -186,11 +199,12 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
         "device_prediction_ratio",
         "step_time_ratio",
     ),
-    (FRACTION, "higher"): ("accuracy", "int8_accuracy", "mfu"),
+    (FRACTION, "higher"): ("accuracy", "int8_accuracy", "mfu", "reached_target"),
     (FRACTION, None): ("timing_steal_fraction", "sparsity", "predicted_mfu"),
     (CORES, None): ("timing_other_busy_cores", "timing_free_cores"),
     (COUNT, None): ("train_steps", "peak_rank"),
-    (PLAIN, "lower"): ("eval_loss", "train_loss"),
+    (COUNT, "lower"): ("steps_to_target",),
+    (PLAIN, "lower"): ("eval_loss", "train_loss", "perplexity"),
     (PLAIN, None): ("timing_load_avg", "epochs"),
 }
 # Measured on CUDA GPUs only: a CPU trial has none of them (not zero).

@@ -24,7 +24,7 @@ import pandas as pd
 
 from harness.analyse.noise import TIE_MARGIN, noise_reason, throughputs_tie
 from harness.contract import AXES
-from harness.metrics import DEFAULT_OBJECTIVES, Objective
+from harness.metrics import DEFAULT_OBJECTIVES, METRICS, Objective
 from harness.units import format_bytes
 
 REFERENCE = 1.1  # normalised reference point, per objective
@@ -273,10 +273,24 @@ def rank_within_noise(frame: pd.DataFrame) -> Ranking:
     return Ranking(ordered.drop(columns="_tier"), ordered["_tier"], "throughput")
 
 
+# What ``recommend`` ranks by: throughput (within noise), or another quality or time to a
+# target, each the way its metric is better (higher accuracy; lower loss, time, steps).
+RANKABLE = (
+    "throughput",
+    "accuracy",
+    "eval_loss",
+    "perplexity",
+    "time_to_target_s",
+    "steps_to_target",
+)
+
+
 def rank_fits(frame: pd.DataFrame, budget: float, objective: str = "throughput") -> Ranking:
     """The ``ok`` trials whose measured peak fits ``budget``, best first: by throughput within
-    noise (``rank_within_noise``) or by accuracy (ties: less memory). Empty when nothing fits;
-    the caller says so."""
+    noise (``rank_within_noise``) or by another metric the way it is better (ties: less
+    memory). A trial without the metric (a target not reached: no ``time_to_target_s``) is
+    left out, never ranked as if it had a value. Empty when nothing fits; the caller says
+    so."""
     if objective not in frame.columns:
         raise ValueError(f"the results have no column {objective!r}")
     fits = frame[
@@ -284,7 +298,8 @@ def rank_fits(frame: pd.DataFrame, budget: float, objective: str = "throughput")
     ]
     if objective == "throughput":
         return rank_within_noise(fits)
-    ranked = fits.sort_values([objective, MEMORY], ascending=[False, True], kind="stable")
+    higher = METRICS[objective].better == "higher"
+    ranked = fits.sort_values([objective, MEMORY], ascending=[not higher, True], kind="stable")
     return Ranking(ranked, pd.Series(range(len(ranked)), index=ranked.index), objective)
 
 

@@ -16,6 +16,7 @@ import pandas as pd
 
 from harness.analyse.pareto import (
     MEMORY,
+    RANKABLE,
     ParetoAnalysis,
     Ranking,
     analyse,
@@ -36,7 +37,7 @@ from harness.cli.common import (
     tracking_uri_option,
 )
 from harness.contract import AXES
-from harness.metrics import DEFAULT_OBJECTIVES, Objective, parse_objectives
+from harness.metrics import DEFAULT_OBJECTIVES, METRICS, Objective, parse_objectives
 from harness.record.results import ResultsError, Sweep, find_trial, trial_timeline
 from harness.record.tracking import publish
 from harness.units import format_bytes, parse_bytes
@@ -162,9 +163,11 @@ def pareto(
 @click.option("--budget", required=True, help="Memory you have, e.g. 16GiB or 500MB.")
 @click.option(
     "--objective",
-    type=click.Choice(("throughput", "accuracy")),
+    type=click.Choice(RANKABLE),
     default="throughput",
     show_default=True,
+    help="What ranks the configs: higher throughput or accuracy; lower eval_loss, perplexity, "
+    "time_to_target_s or steps_to_target (trials that did not reach the target are left out).",
 )
 def recommend(
     experiment: str | None, sweep_id: str, tracking_uri: str, budget: str, objective: str
@@ -173,7 +176,8 @@ def recommend(
     console = make_console()
     limit = budget_option(budget)
     sweep = open_sweep(experiment, sweep_id, tracking_uri)
-    require_usable(sweep, [Objective(objective, "maximize"), Objective(MEMORY, "minimize")])
+    direction = "maximize" if METRICS[objective].better == "higher" else "minimize"
+    require_usable(sweep, [Objective(objective, direction), Objective(MEMORY, "minimize")])
     try:
         ranking = rank_fits(sweep.frame, limit, objective)
     except ValueError as error:
@@ -184,6 +188,7 @@ def recommend(
         raise SystemExit(2)
     best = ranked.iloc[0]
     columns = [*AXES, MEMORY, "throughput", "accuracy"]
+    columns += [objective] if objective not in columns else []
     show(ranked, f"Best within {format_bytes(limit)}", console, [c for c in columns if c in ranked])
     tie = ranking.tie_note(len(ranked))
     if tie:

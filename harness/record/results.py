@@ -25,6 +25,7 @@ from harness.metrics import METRICS
 from harness.record.columns import ID_COLUMNS, KNOB_PREFIX, TAGS, typed
 from harness.record.stores import quiet_mlflow
 from harness.record.tracking import (
+    EVAL_CURVES,
     PARENT_TAG,
     ROLE_TAG,
     STUDY_TAG,
@@ -42,7 +43,10 @@ BOOL_PARAMS = typed(bool)
 TAG_COLUMNS = tuple(TAGS)
 
 
-HISTORY_METRICS = {"train_loss_step"}  # per-step histories: read them with MlflowClient
+HISTORY_METRICS = {
+    "train_loss_step",
+    *EVAL_CURVES.values(),
+}  # per-step histories: read them with MlflowClient
 
 
 class ResultsError(Exception):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -190,7 +191,7 @@ def trial_params(config: TrialConfig, result: TrialResult) -> dict[str, str]:
         "device": result.info.get("device", config.device),
         "world_size": config.world_size,
         "seed": config.seed,
-        "budget": ",".join(f"{k}={v}" for k, v in config.budget.to_dict().items()),
+        "budget": config.budget.text,
         "warmup_steps": config.warmup_steps,
         "memory_steps": config.memory_steps,
         "timed_steps": config.timed_steps,
@@ -301,6 +302,26 @@ def recorded_for(tracking_uri: str, experiment: str, study_name: str) -> dict[st
         return {}
     trials = all_runs(client, [found.experiment_id], trials_of(parent.info.run_id))
     return recorded_statuses(trials)
+
+
+# train.budget.eval_every: the held-out metrics evaluated during training, as metric histories.
+EVAL_CURVES = {
+    "eval_loss": "eval_loss_step",
+    "accuracy": "accuracy_step",
+    "perplexity": "perplexity_step",
+}
+
+
+def eval_curve(rows: list[dict[str, float]]) -> list[tuple[str, float, int]]:
+    """``(history name, value, step)`` for each evaluation during training, at the optimizer
+    steps taken before it (0: before training); a non-finite value is left out, as MLflow
+    stores none."""
+    return [
+        (name, float(row[metric]), int(row["step"]))
+        for row in rows
+        for metric, name in EVAL_CURVES.items()
+        if metric in row and math.isfinite(row[metric])
+    ]
 
 
 def loss_curve(losses: list[float], points: int = HISTORY_POINTS) -> list[tuple[int, float]]:
@@ -482,6 +503,7 @@ class Tracker:
         history = [
             ("train_loss_step", value, step) for step, value in loss_curve(result.loss_history)
         ]
+        history += eval_curve(result.eval_history)
         self._log(run_id, metrics=metrics, params=trial_params(config, result), history=history)
         self.client.log_artifacts(run_id, str(workdir), artifact_path="trial")
         self.client.set_terminated(run_id, status=ENDED_RUN_STATUS.get(result.status, "FAILED"))

@@ -48,7 +48,7 @@ from harness.strategies.settings import (
     LoraSettings,
     OptimizerSettings,
 )
-from harness.trial.config import Budget
+from harness.trial.config import TARGET_BOUNDS, Budget, Target
 from harness.units import parse_bytes, parse_seconds
 from harness.workloads import (
     DATASETS,
@@ -66,6 +66,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# Metrics a trial records only with a train.budget.target.
+TARGET_METRICS = ("reached_target", "steps_to_target", "time_to_target_s")
 
 
 # ---- sections ------------------------------------------------------------------------------
@@ -321,20 +325,59 @@ class OptimizerSpec(Strict):
         return self
 
 
+class TargetSpec(Strict):
+    """``train.budget.target``: a quality to train until (``harness.trial.config.Target``)."""
+
+    metric: Literal["eval_loss", "perplexity", "accuracy"]
+    below: float | None = None
+    above: float | None = None
+
+    @model_validator(mode="after")
+    def bound_for_the_metric(self) -> TargetSpec:
+        bound = TARGET_BOUNDS[self.metric]
+        other = "above" if bound == "below" else "below"
+        if getattr(self, other) is not None:
+            raise FieldProblem([other], f"target {self.metric} takes {bound}, not {other}")
+        if getattr(self, bound) is None:
+            raise FieldProblem([bound], f"required for target {self.metric} (the value to reach)")
+        return self
+
+    def target(self) -> Target:
+        return Target(self.metric, self.below, self.above)
+
+
 class BudgetSpec(Strict):
     epochs: PositiveInt | None = None
     steps: PositiveInt | None = None
+    max_steps: PositiveInt | None = None
+    eval_every: PositiveInt | None = None
+    target: TargetSpec | None = None
 
     @model_validator(mode="after")
     def exactly_one(self) -> BudgetSpec:
+        if self.target is not None:
+            for key in ("epochs", "steps"):
+                if getattr(self, key) is not None:
+                    raise FieldProblem(
+                        [key], "not with a target (it trains until the target or max_steps)"
+                    )
+            if self.max_steps is None:
+                raise FieldProblem(["max_steps"], "required with a target (the most steps to try)")
+            if self.eval_every is None:
+                raise FieldProblem(
+                    ["eval_every"], "required with a target (how often to check it, in steps)"
+                )
+        elif self.max_steps is not None:
+            raise FieldProblem(["max_steps"], "only applies with a target (else give steps)")
         self.budget()  # Budget says what a valid one is
         return self
 
     def budget(self) -> Budget:
-        return Budget(self.epochs, self.steps)
+        target = None if self.target is None else self.target.target()
+        return Budget(self.epochs, self.steps, self.max_steps, self.eval_every, target)
 
-    def as_dict(self) -> dict[str, int]:
-        """The one that is set, as the trial JSON and the MLflow ``budget`` param write it."""
+    def as_dict(self) -> dict[str, Any]:
+        """What is set, as the trial JSON and the MLflow ``budget`` param write it."""
         return self.budget().to_dict()
 
 
@@ -662,6 +705,41 @@ class Spec(Strict):
                     f"run on cpu (device: {self.device}); choose another objective",
                 )
         return self
+
+    @model_validator(mode="after")
+    def quality_measured_here(self) -> Spec:
+        """``perplexity`` exists for language models only, and the time-to-target metrics with
+        a ``train.budget.target`` only: as a target or objective elsewhere, every trial would
+        miss it (never reach the target, or fail in Optuna)."""
+        target = self.train.budget.target
+        if target is not None and target.metric == "perplexity" and not self.language_model():
+            raise FieldProblem(
+                ["train", "budget", "target", "metric"],
+                f"perplexity is for language models (gpt, hf causal-lm), not {self.model.family}"
+                "; use eval_loss or accuracy",
+            )
+        for index, objective in enumerate(self.search.objectives):
+            where = ["search", "objectives", index, "metric"]
+            if objective.metric == "perplexity" and not self.language_model():
+                raise FieldProblem(
+                    where, f"perplexity is for language models, not {self.model.family}"
+                )
+            if objective.metric in TARGET_METRICS and target is None:
+                raise FieldProblem(
+                    where, f"{objective.metric} needs train.budget.target (a quality to reach)"
+                )
+        return self
+
+    def language_model(self) -> bool:
+        """Whether the trials predict the next token: gpt; hf unless a size names another task
+        or the data are images (``harness.trial.curve.is_language_model`` decides in the
+        trial)."""
+        if self.model.family == "gpt":
+            return True
+        if self.model.family != "hf" or self.data.dataset in ("digits", "cifar10", "synthetic"):
+            return False
+        tasks = {knobs.get("task", "causal-lm") for knobs in self.model.sizes.values()}
+        return tasks == {"causal-lm"}
 
     @property
     def experiment(self) -> str:

@@ -281,6 +281,9 @@ def objective_values(spec: Spec, result: TrialResult) -> list[float] | None:
 
     A trial over the memory budget (``oom``, ``infeasible``) still has a real peak (measured
     or predicted); what it would have delivered is nothing: 0 for every maximised metric.
+    An ``ok`` trial that never met its ``train.budget.target`` has no ``time_to_target_s`` or
+    ``steps_to_target``: as an objective that is ``None`` too (no time reached it; any number
+    put in its place would rank a miss among the trials that got there).
     """
     metrics = result.metrics
     over = result.status in OVER_BUDGET

@@ -39,7 +39,7 @@ def sweep_params(sweep: SweepPlan) -> dict[str, str]:
         "dataset": spec.data.dataset,
         "n_trials": str(len(sweep.points)),
         **{f"axis_{name}": ",".join(map(str, values)) for name, values in axes.items()},
-        "budget": ",".join(f"{k}={v}" for k, v in spec.train.budget.as_dict().items()),
+        "budget": spec.train.budget.budget().text,
         "device": spec.device,
         "device_memory_bytes": str(spec.memory_budget or ""),
         "search_method": spec.search.method,

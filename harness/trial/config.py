@@ -39,30 +39,106 @@ SNAPSHOT_FILE = "memory_snapshot.pickle"  # CUDA, measure.allocator_snapshot: Py
 STEP_TIMES_FILE = "step_times.json"  # the timed window's raw per-step times (rank 0's)
 
 
+# A quality a trial may train until (``train.budget.target``): each metric and the bound it is
+# held to (a loss must fall below its bound, accuracy rise above it).
+TARGET_BOUNDS = {"eval_loss": "below", "perplexity": "below", "accuracy": "above"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Train until ``metric`` is ``below`` (a loss) or ``above`` (accuracy) this value at an
+    evaluation: time to a quality (MLPerf's measure) instead of a fixed number of steps."""
+
+    metric: str
+    below: float | None = None
+    above: float | None = None
+
+    def __post_init__(self) -> None:
+        bound = TARGET_BOUNDS.get(self.metric)
+        if bound is None:
+            raise ValueError(f"target metric must be one of {', '.join(TARGET_BOUNDS)}")
+        other = "above" if bound == "below" else "below"
+        if getattr(self, bound) is None or getattr(self, other) is not None:
+            raise ValueError(f"target {self.metric} takes {bound} (not {other})")
+
+    @property
+    def bound(self) -> float:
+        return float(self.below if self.below is not None else self.above or 0.0)
+
+    def met(self, metrics: Mapping[str, float]) -> bool:
+        """Whether an evaluation's ``metrics`` reach the target (a missing metric does not)."""
+        value = metrics.get(self.metric)
+        if value is None:
+            return False
+        return value < self.bound if self.below is not None else value > self.bound
+
+    def to_dict(self) -> dict[str, Any]:
+        bound = "below" if self.below is not None else "above"
+        return {"metric": self.metric, bound: self.bound}
+
+
 @dataclass(frozen=True)
 class Budget:
-    """How long a trial trains: exactly one of ``epochs`` or ``steps``."""
+    """How long a trial trains: exactly one of ``epochs`` or ``steps``, or a ``target`` with
+    ``max_steps`` (train until it is met at an evaluation, at most that many steps); and, with
+    any of them, ``eval_every`` (evaluate on the held-out split every that many steps: the
+    quality curve, and where a target is checked)."""
 
     epochs: int | None = None
     steps: int | None = None
+    max_steps: int | None = None
+    eval_every: int | None = None
+    target: Target | None = None
 
     def __post_init__(self) -> None:
-        if (self.epochs is None) == (self.steps is None):
+        if self.target is not None:
+            if self.max_steps is None:
+                raise ValueError("a target needs max_steps (the most steps to try)")
+            if self.epochs is not None or self.steps is not None:
+                raise ValueError("a target trains until it is met: give max_steps, not steps")
+            if self.eval_every is None:
+                raise ValueError("a target needs eval_every (how often to check it)")
+        elif self.max_steps is not None:
+            raise ValueError("max_steps only applies with a target (else give steps)")
+        elif (self.epochs is None) == (self.steps is None):
             raise ValueError("give exactly one of epochs or steps")
+        for name in ("epochs", "steps", "max_steps", "eval_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1")
 
     def total_steps(self, per_epoch: int) -> int:
-        """Optimizer steps in all, an epoch being ``per_epoch`` steps."""
+        """Optimizer steps in all (with a target: at most), an epoch being ``per_epoch`` steps."""
+        if self.max_steps is not None:
+            return self.max_steps
         return self.steps if self.steps is not None else int(self.epochs or 0) * per_epoch
 
-    def to_dict(self) -> dict[str, int]:
-        """The one that is set, e.g. ``{"steps": 20}`` (the trial JSON, the ``budget`` param)."""
-        return (
-            {"epochs": self.epochs} if self.epochs is not None else {"steps": int(self.steps or 0)}
-        )
+    def to_dict(self) -> dict[str, Any]:
+        """What is set, e.g. ``{"steps": 20}`` (the trial JSON, the ``budget`` param): a budget
+        without the later keys writes (and so keys its trials) exactly as before them."""
+        data: dict[str, Any] = {
+            name: getattr(self, name)
+            for name in ("epochs", "steps", "max_steps", "eval_every")
+            if getattr(self, name) is not None
+        }
+        if self.target is not None:
+            data["target"] = self.target.to_dict()
+        return data
+
+    @property
+    def text(self) -> str:
+        """One line, e.g. ``steps=20`` or ``max_steps=400,eval_every=20,target=accuracy>0.9``
+        (the MLflow ``budget`` param)."""
+        parts = [f"{k}={v}" for k, v in self.to_dict().items() if k != "target"]
+        if self.target is not None:
+            sign = "<" if self.target.below is not None else ">"
+            parts.append(f"target={self.target.metric}{sign}{self.target.bound:g}")
+        return ",".join(parts)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, int]) -> Budget:
-        return cls(**data)
+    def from_dict(cls, data: Mapping[str, Any]) -> Budget:
+        target = data.get("target")
+        return cls(**{**data, "target": None if target is None else Target(**target)})
 
 
 @dataclass(frozen=True)

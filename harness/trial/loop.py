@@ -29,6 +29,7 @@ from harness.meters.host import peak_rss_bytes
 from harness.meters.memory import MemoryWindow
 from harness.meters.timing import StepTimer, synchronize
 from harness.trial.config import SNAPSHOT_FILE, STEP_TIMES_FILE, TIMELINE_FILE
+from harness.trial.curve import Curve, is_language_model, with_perplexity
 from harness.trial.distributed import Ranks
 from harness.trial.result import Status, TrialFailure, TrialResult
 from harness.trial.setup import Setup
@@ -43,6 +44,8 @@ class Measurements:
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=lambda: {"torch_version": torch.__version__})
     loss_history: list[float] = field(default_factory=list)
+    # train.budget.eval_every: the held-out evaluations during training (``Curve.history``).
+    eval_history: list[dict[str, float]] = field(default_factory=list)
     # CUDA: bytes the planned card holds beside the caching allocator (its context, NCCL), as
     # predicted: the budget left for the allocator is device_memory minus these.
     outside_bytes: int = 0
@@ -73,6 +76,7 @@ class Measurements:
             failure_reason=reason,
             metrics={k: v for k, v in self.metrics.items() if math.isfinite(v)},
             loss_history=self.loss_history,
+            eval_history=self.eval_history,
             info=self.info,
         )
 
@@ -96,6 +100,12 @@ class TrainingLoop:
         config = setup.config
         self.per_epoch = steps_per_epoch(data.train_size, config.batch_size)
         self.stream = batches(data.train, config.batch_size, config.seed)
+        self.language_model = is_language_model(config.model_family, setup.task)
+        every = config.budget.eval_every
+        self.curve = (
+            None if every is None else Curve(every, self.score, setup.device, config.budget.target)
+        )
+        self.train_start = 0.0  # perf_counter at the first training step
 
     def run(self) -> None:
         config, setup, metrics = self.setup.config, self.setup, self.measured.metrics
@@ -103,32 +113,69 @@ class TrainingLoop:
         measured = config.warmup_steps + config.memory_steps + config.timed_steps
         measured += self.setup.ranks.size > 1  # the step whose communication is profiled
         with self.measured.clock("train_time_s", setup.device):
+            self.train_start = time.perf_counter()
             self.warm_up(config.warmup_steps)
+            self.checkpoint()
             self.measure_memory(config.memory_steps)
+            self.checkpoint()
             self.measure_speed(config.timed_steps)
             self.train_rest(max(budget, measured) - measured)
+        curve = self.curve
+        evaluating_s = 0.0 if curve is None else curve.spent_s  # evaluations between steps
+        metrics["train_time_s"] -= evaluating_s
         with self.measured.clock("eval_time_s", setup.device):
             # Every rank evaluates the whole held-out split (sharded models need all ranks in
             # each forward); the results agree, rank 0 reports them.
-            metrics.update(
-                evaluate(
-                    setup.model, setup.task, self.data.test, setup.device,
-                    setup.precision.autocast, setup.prepare_batch, setup.micro_batch_size,
-                )
-            )  # fmt: skip
+            metrics.update(self.final_quality(metrics["train_time_s"]))
             for strategy in setup.strategies:
                 metrics.update(strategy.after_training(setup.model, setup.context))
+        metrics["eval_time_s"] += evaluating_s
+        if curve is not None:
+            metrics.update(curve.metrics())
+            self.measured.eval_history = curve.history()
         losses = self.measured.loss_history
         last_epoch = losses[-self.per_epoch :]
         metrics["train_loss"] = sum(last_epoch) / len(last_epoch)
         metrics["train_steps"] = float(len(losses))
         metrics["epochs"] = len(losses) / self.per_epoch
 
+    def score(self) -> dict[str, float]:
+        """The held-out quality now: accuracy, eval_loss and (language models) perplexity."""
+        setup = self.setup
+        scores = evaluate(
+            setup.model, setup.task, self.data.test, setup.device,
+            setup.precision.autocast, setup.prepare_batch, setup.micro_batch_size,
+        )  # fmt: skip
+        return with_perplexity(scores, self.language_model)
+
+    def final_quality(self, train_s: float) -> dict[str, float]:
+        """The quality after training; with ``eval_every`` also the curve's last point (one
+        already taken at the last step is not taken again), where a target may be met too."""
+        curve, step = self.curve, len(self.measured.loss_history)
+        if curve is None:
+            return self.score()
+        if not curve.points or curve.points[-1].step != step:
+            curve.run(step, train_s)
+        return dict(curve.points[-1].metrics)
+
+    def checkpoint(self) -> bool:
+        """Evaluate if one is due at this step (``eval_every``); whether the target is met."""
+        curve = self.curve
+        if curve is None:
+            return False
+        step = len(self.measured.loss_history)
+        if curve.due(step) and not curve.done:
+            synchronize(self.setup.device)
+            elapsed = time.perf_counter() - self.train_start - curve.spent_s
+            curve.run(step, self.setup.ranks.maximum(elapsed))
+        return curve.done
+
     def next_batch(self) -> Batch:
         return self.setup.to_device(next(self.stream))
 
     def warm_up(self, steps: int) -> None:
         for _ in range(steps):
+            self.checkpoint()  # evaluations may run between warm-up steps (nothing is measured)
             self.record_loss(self.setup.train_step(self.next_batch()))
 
     def measure_memory(self, steps: int) -> None:
@@ -270,17 +317,25 @@ class TrainingLoop:
         (self.output_dir / STEP_TIMES_FILE).write_text(json.dumps(data, separators=(",", ":")))
 
     def train_rest(self, steps: int) -> None:
-        """The remaining budget, batches moved at each step: what an epoch really takes."""
-        if steps <= 0:
-            return
-        device = self.setup.device
+        """The remaining budget, batches moved at each step: what an epoch really takes. With a
+        target, it ends at the evaluation that meets it."""
+        device, curve = self.setup.device, self.curve
         synchronize(device)
         start = time.perf_counter()
+        evaluated = 0.0 if curve is None else curve.spent_s
+        taken = 0
         for _ in range(steps):
+            if self.checkpoint():
+                break
             self.record_loss(self.setup.train_step(self.next_batch()))
+            taken += 1
+        else:
+            self.checkpoint()  # the last step's evaluation, where one is due
         synchronize(device)
-        elapsed = self.setup.ranks.maximum(time.perf_counter() - start)
-        self.measured.metrics["epoch_time_s"] = elapsed / steps * self.per_epoch
+        evaluated = 0.0 if curve is None else curve.spent_s - evaluated
+        elapsed = self.setup.ranks.maximum(time.perf_counter() - start - evaluated)
+        if taken:
+            self.measured.metrics["epoch_time_s"] = elapsed / taken * self.per_epoch
 
     def record_loss(self, loss: torch.Tensor) -> None:
         value = self.setup.ranks.mean(loss.item())

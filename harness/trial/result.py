@@ -36,6 +36,8 @@ class TrialResult:
     failure_reason: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     loss_history: list[float] = field(default_factory=list)
+    # train.budget.eval_every: each held-out evaluation during training, {"step": ..., metric: ...}.
+    eval_history: list[dict[str, float]] = field(default_factory=list)
     # What the trial found about itself (device, torch version, strategy notes): MLflow tags.
     info: dict[str, Any] = field(default_factory=dict)
     # Set by the launcher: the trial process's wall time, and how many launches it took.
