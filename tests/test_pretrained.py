@@ -173,6 +173,26 @@ def test_lora_wraps_the_loaded_weights(saved_llama):
     assert frozen and all("lora_" not in n for n in frozen)
 
 
+def test_qlora_quantizes_the_loaded_weights(saved_llama):
+    folder, saved = saved_llama
+    config = trial_configs(parse_spec(hf_spec(folder, ["qlora:8"])))[0]
+    split = load_dataset("text", TEXT, seed=0)
+    setup = build_setup(config, torch.device("cpu"), Ranks(), split.info, split)
+    theirs = saved.state_dict()
+    quantized = 0
+    for name, value in setup.model.get_base_model().state_dict().items():
+        if "lora_" in name:
+            continue
+        expected = theirs[name.replace(".base_layer", "")]
+        if type(value).__name__ == "NF4Tensor":  # 4-bit codes of the saved values
+            quantized += 1
+            error = (value.get_original_weight().float() - expected).norm() / expected.norm()
+            assert error < 0.15, name
+        else:  # embeddings, norms, the head: as saved
+            assert torch.equal(value, expected), name
+    assert quantized == 2 * 7  # q k v o gate up down of both layers
+
+
 def same_values_where_saved(base, saved) -> bool:
     """The frozen base of a LoRA model holds the saved values (peft renames the wrapped linear
     layers' weights ``base_layer.weight``)."""

@@ -261,7 +261,7 @@ def check_weight_files(spec: Spec, path: Path) -> None:
     family = FAMILIES.get(spec.model.family)
     if family is None:
         return
-    folders = [str(path.resolve().parent), str(Path.cwd())]
+    folders = list(dict.fromkeys([str(path.resolve().parent), str(Path.cwd())]))
     for size, knobs in spec.model.sizes.items():
         if knobs.get("pretrained") is not True:
             continue
@@ -274,8 +274,8 @@ def check_weight_files(spec: Spec, path: Path) -> None:
             )
             if found is None:
                 raise SpecError(
-                    f"{path}: {field}: {knobs[knob]!r} not found (looked in {folders[0]} and "
-                    f"{folders[1]})"
+                    f"{path}: {field}: {knobs[knob]!r} not found (looked in "
+                    f"{' and '.join(folders)})"
                 )
             if folder and not found.is_dir():
                 raise SpecError(
