@@ -24,7 +24,7 @@ from pydantic_core import ErrorDetails
 from harness.cuda.cards import CATALOGUE, Card, card_from_mapping
 from harness.spec.errors import FieldProblem, SpecError, did_you_mean
 from harness.spec.schema import Spec
-from harness.workloads import is_user_code
+from harness.workloads import FAMILIES, is_user_code
 
 # What a results column holds (pandas Int64, MLflow params read back): an integer outside
 # this range validates in Python but breaks every table built from the sweep's records.
@@ -250,7 +250,40 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"{path}: the spec is empty")
     spec = parse_spec(data, str(path))
     check_user_code(spec, path)
+    check_weight_files(spec, path)
     return spec
+
+
+def check_weight_files(spec: Spec, path: Path) -> None:
+    """A pretrained size's local weights must be where its trials will look (the spec's
+    folder, the working directory): a folder for ``config``, a file for ``pretrained_file``.
+    A ``model_id`` is transformers' to resolve (its cache, or the Hub) and is not checked."""
+    family = FAMILIES.get(spec.model.family)
+    if family is None:
+        return
+    folders = list(dict.fromkeys([str(path.resolve().parent), str(Path.cwd())]))
+    for size, knobs in spec.model.sizes.items():
+        if knobs.get("pretrained") is not True:
+            continue
+        for knob, folder in (("config", True), ("pretrained_file", False)):
+            if knob not in family.weights or knob not in knobs:
+                continue
+            field = f"model.sizes.{size}.{knob}"
+            found = next(
+                (p for p in (Path(f) / str(knobs[knob]) for f in folders) if p.exists()), None
+            )
+            if found is None:
+                raise SpecError(
+                    f"{path}: {field}: {knobs[knob]!r} not found (looked in "
+                    f"{' and '.join(folders)})"
+                )
+            if folder and not found.is_dir():
+                raise SpecError(
+                    f"{path}: {field}: pretrained: true loads a folder saved by "
+                    f"save_pretrained; {str(found)!r} is a file"
+                )
+            if not folder and not found.is_file():
+                raise SpecError(f"{path}: {field}: {str(found)!r} is not a weights file")
 
 
 def check_user_code(spec: Spec, path: Path) -> None:

@@ -115,6 +115,7 @@ class ModelSpec(Strict):
             for knob, value in knobs.items():
                 check_knob(family, ["sizes", size, knob], knob, value)
             check_sources(family, ["sizes", size], knobs)
+            check_weights(family, ["sizes", size], knobs)
             resolved = resolve_knobs(self.family, knobs)
             for multiple, of in family.divisible:
                 if resolved[multiple] % resolved[of]:
@@ -126,6 +127,17 @@ class ModelSpec(Strict):
 
 
 def check_knob(family: Family, where: list[str | int], knob: str, value: Any) -> None:
+    if knob == "pretrained":
+        if not family.weights:
+            with_weights = [name for name, known in FAMILIES.items() if known.weights]
+            raise FieldProblem(
+                where,
+                f"family {family.name} has no pretrained weights to load "
+                f"(pretrained applies to {', '.join(with_weights)})",
+            )
+        if not isinstance(value, bool):
+            raise FieldProblem(where, f"must be true or false (got {value!r})")
+        return
     if knob == "preset" and family.presets:
         if value not in family.presets:
             raise FieldProblem(
@@ -175,6 +187,20 @@ def check_sources(family: Family, where: list[str | int], knobs: dict[str, Any])
         raise FieldProblem(
             where, f"give only one of {', '.join(exclusive)} (a size builds from one source)"
         )
+
+
+def check_weights(family: Family, where: list[str | int], knobs: dict[str, Any]) -> None:
+    """``pretrained: true`` needs a knob naming where its weights are; a knob that only names
+    weights (timm's ``pretrained_file``) needs ``pretrained: true``, else it loads nothing."""
+    pretrained = knobs.get("pretrained") is True
+    if pretrained and not any(k in knobs for k in family.weights):
+        raise FieldProblem(
+            [*where, "pretrained"],
+            f"needs {' or '.join(family.weights)} beside it, naming the weights to load",
+        )
+    for knob in family.weights:
+        if knob in knobs and knob not in family.sources and not pretrained:
+            raise FieldProblem([*where, knob], "loads nothing without pretrained: true beside it")
 
 
 USER_DATA_OPTIONS = ("args", "test_fraction", "num_classes")

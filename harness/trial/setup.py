@@ -25,7 +25,7 @@ from harness.trial.distributed import Ranks
 from harness.trial.fake import construct_on_meta
 from harness.trial.optim import build_optimizer
 from harness.trial.precision import Precision
-from harness.workloads import build_workload
+from harness.workloads import build_workload, without_weights
 from harness.workloads.convert import convert
 from harness.workloads.task import Task
 from harness.workloads.tensors import Batch, DataInfo, SplitData, chunks
@@ -149,10 +149,12 @@ def build_setup(
     )
     precision = Precision(config.dtype, device, scaler=not estimating)
     # The estimate builds the model for real with its large tensors on meta (harness.trial.fake)
-    # and convert() makes them fake: constructors that read values see the real ones.
+    # and convert() makes them fake: constructors that read values see the real ones. It builds
+    # from the config alone: pretrained weights' values change no byte, and are not read.
+    knobs = without_weights(config.knobs) if estimating else config.knobs
     with construct_on_meta() if estimating else contextlib.nullcontext():
         workload = build_workload(
-            config.model_family, config.knobs, data_info, config.python_path, config.model_loss
+            config.model_family, knobs, data_info, config.python_path, config.model_loss
         )
     context = TrialContext(
         device,

@@ -46,6 +46,8 @@ class Family:
     exclusive: tuple[str, ...] = ()  # sources of which a size may give only one
     # The builder also gets python_path=[spec folder, working directory] to find files.
     locates_files: bool = False
+    # Knobs that name where `pretrained: true` loads weights from (empty: no weights to load).
+    weights: tuple[str, ...] = ()
 
     @property
     def knob_names(self) -> list[str]:
@@ -117,9 +119,10 @@ FAMILIES["gpt"] = Family(
 
 FAMILIES["hf"] = Family(
     "hf",
-    "any Hugging Face transformers architecture from its config, random weights: a shipped "
-    "preset, a local config (file or folder, relative to the spec) or a model id; any other "
-    "knob overrides a config attribute",
+    "any Hugging Face transformers architecture from its config: a shipped preset, a local "
+    "config (file or folder, relative to the spec) or a model id; random weights, or with "
+    "pretrained: true those of the model id or config folder; any other knob overrides a "
+    "config attribute",
     "harness.workloads.hf:build",
     (Knob("seq_len", "tokens per sample (the text or tokens dataset's window)"),),
     {"attn_implementation": "sdpa"},
@@ -130,17 +133,21 @@ FAMILIES["hf"] = Family(
     sources=(*SOURCES, "model_type"),
     exclusive=SOURCES,
     locates_files=True,
+    weights=("model_id", "config"),
 )
 FAMILIES["timm"] = Family(
     "timm",
-    "any timm image model by name (timm.create_model, pretrained=False); the dataset sets "
-    "num_classes, in_chans and img_size; any other knob is a create_model keyword",
+    "any timm image model by name (timm.create_model), untrained or with pretrained: true "
+    "loaded from pretrained_file; the dataset sets num_classes, in_chans and img_size; any "
+    "other knob is a create_model keyword",
     "harness.workloads.timm_models:build",
     (),
     datasets=("digits", "cifar10", "synthetic", "hf_dataset"),
-    text_knobs={"name": ()},
+    text_knobs={"name": (), "pretrained_file": ()},
     free_knobs=True,
     sources=("name",),
+    locates_files=True,
+    weights=("pretrained_file",),
 )
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -238,6 +245,13 @@ def resolve_knobs(family: str, knobs: dict[str, Any]) -> dict[str, Any]:
     given = dict(knobs)
     preset = known.presets.get(given.pop("preset", None) or "", {})
     return {**known.defaults, **preset, **given}
+
+
+def without_weights(knobs: dict[str, Any]) -> dict[str, Any]:
+    """The knobs of the same model built from its config alone: what the estimate builds, since
+    weights' values change no byte and reading them (gigabytes) would cost more than the
+    estimate itself."""
+    return {k: v for k, v in knobs.items() if k != "pretrained"}
 
 
 def build_workload(

@@ -1,12 +1,17 @@
-"""``hf``: any Hugging Face ``transformers`` architecture from its config, with random weights.
+"""``hf``: any Hugging Face ``transformers`` architecture from its config, random or pretrained.
 
-Memory and speed do not depend on the weights' values, so nothing is downloaded: a size names
-a shipped preset (``harness.workloads.hf_presets``), a local config (``config: PATH``, a
-directory holding ``config.json`` or the file itself, relative to the spec), or a model id
+Memory and speed do not depend on the weights' values, so by default nothing is downloaded: a
+size names a shipped preset (``harness.workloads.hf_presets``), a local config (``config: PATH``,
+a directory holding ``config.json`` or the file itself, relative to the spec), or a model id
 resolved by transformers' own config loading (``model_id: ORG/NAME``: the local cache or, where
 there is a network, the Hub). Every other knob overrides a config attribute
 (``num_hidden_layers: 2``). The model is built with ``AutoModelFor<Task>.from_config`` and
 ``config.use_cache = False`` (training: a KV cache would only add memory).
+
+Accuracy does depend on them: ``pretrained: true`` loads the weights of the ``model_id`` or of
+the ``config`` folder (one saved by ``save_pretrained``) with ``from_pretrained``, into the same
+config (overrides and the dataset's fit applied) and the dtype ``from_config`` would give. The
+estimate never reads them (``harness.workloads.without_weights``): it builds from the config.
 
 It trains as Hugging Face's ``Trainer`` runs a step: ``outputs = model(input_ids=...,
 labels=...)`` (causal LMs take unshifted labels and shift them inside), ``outputs.loss`` is
@@ -69,6 +74,51 @@ def load_config(knobs: dict[str, Any], search: list[str]) -> Any:
     return config
 
 
+def weights_source(knobs: dict[str, Any], search: list[str]) -> str:
+    """Where ``pretrained: true`` loads from: the model id, or the config folder (a config
+    file alone holds no weights)."""
+    if "model_id" in knobs:
+        return str(knobs["model_id"])
+    if "config" not in knobs:
+        raise ValueError("pretrained: true needs model_id or config (a save_pretrained folder)")
+    found = Path(find_file(str(knobs["config"]), search, "hf config"))
+    if not found.is_dir():
+        raise ValueError(
+            f"pretrained: true needs config to name a folder saved by save_pretrained, not the "
+            f"file {str(found)!r}"
+        )
+    return str(found)
+
+
+def load_weights(auto: Any, config: Any, source: str, task: str, attention: str) -> Any:
+    """``from_pretrained`` into ``config`` in the dtype ``from_config`` would build.
+
+    A classifier may start its head fresh (a label count other than the dataset's, or a
+    language model's checkpoint: transformers' ``ignore_mismatched_sizes``, as fine-tuning on
+    new labels does); a causal LM must take every weight, else the trial ends naming them (an
+    override that changes a shape would otherwise train a half-random model unnoticed).
+    """
+    model, loading = auto.from_pretrained(
+        source,
+        config=config,
+        attn_implementation=attention,
+        dtype=config.dtype or torch.get_default_dtype(),
+        ignore_mismatched_sizes=True,  # checked below, naming the weights
+        output_loading_info=True,
+    )
+    if task == "causal-lm":
+        misfits = [
+            f"{kind.removesuffix('_keys')}: {', '.join(sorted(map(str, keys))[:3])}"
+            for kind, keys in loading.items()
+            if keys and kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+        ]
+        if misfits:
+            raise ValueError(
+                f"the weights in {source} do not fit the size's config ({'; '.join(misfits)})"
+            )
+    return model
+
+
 def default_task(config: Any) -> str:
     """From the architecture the config names, else causal-lm."""
     for architecture in getattr(config, "architectures", None) or []:
@@ -114,7 +164,11 @@ def build(data: DataInfo, python_path: list[str] | None = None, **knobs: Any) ->
     fit_to_data(config, task, data, int(knobs.get("seq_len", data.input_shape[0])))
     config.use_cache = False  # training: no KV cache
     auto = getattr(transformers, AUTO_CLASSES[task])
-    model = auto.from_config(config, attn_implementation=attention)
+    if knobs.get("pretrained"):
+        source = weights_source(knobs, python_path or [])
+        model = load_weights(auto, config, source, task, attention)
+    else:
+        model = auto.from_config(config, attn_implementation=attention)
     notes = {
         "hf_architecture": type(model).__name__,
         "hf_task": task,

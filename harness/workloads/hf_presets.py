@@ -127,4 +127,4 @@ HF_DATASET_FORMATS: tuple[HFDatasetFormat, ...] = get_args(HFDatasetFormat)
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 # Knobs the harness reads itself; every other knob of an `hf` size overrides a config attribute.
 SOURCES = ("preset", "config", "model_id")
-HARNESS_KNOBS = (*SOURCES, "task", "attn_implementation", "seq_len")
+HARNESS_KNOBS = (*SOURCES, "task", "attn_implementation", "seq_len", "pretrained")
