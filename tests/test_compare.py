@@ -172,4 +172,4 @@ def test_a_report_versus_another_sweep_has_a_comparison_section(two_sweeps):
     text = page.read_text()
     assert "<h2>Compared with other sweeps</h2>" in text
     assert f"unit@{second[:8]}" in text and f"unit@{first}" in text
-    assert "id=\"compare\"" in text or "id='compare'" in text
+    assert 'id="compare"' in text or "id='compare'" in text
