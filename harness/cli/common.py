@@ -132,11 +132,25 @@ def sweep_options(command: Callable[..., Any]) -> Callable[..., Any]:
 def open_sweep(experiment: str | None, sweep_id: str, tracking_uri: str) -> Any:
     """The recorded sweep, or a one-line error saying what to do (exit 2 when the store
     itself is unusable: unreachable, missing, damaged, not MLflow's)."""
-    from harness.record.results import ResultsError, load_sweep
+    from harness.record.results import load_sweep
+
+    return _read_sweep(lambda: load_sweep(experiment, tracking_uri, sweep_id))
+
+
+def open_selected(selector: str, tracking_uri: str) -> Any:
+    """The sweep a ``harness compare`` selector names (``EXPERIMENT[@RUN_ID|@DEVICE]``), or a
+    one-line error, as ``open_sweep``."""
+    from harness.record.results import select_sweep
+
+    return _read_sweep(lambda: select_sweep(selector, tracking_uri))
+
+
+def _read_sweep(read: Callable[[], Any]) -> Any:
+    from harness.record.results import ResultsError
     from harness.record.store_checks import StoreError
 
     try:
-        return load_sweep(experiment, tracking_uri, sweep_id)
+        return read()
     except ResultsError as error:
         raise click.ClickException(str(error)) from None
     except StoreError as error:

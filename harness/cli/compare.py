@@ -18,24 +18,16 @@ import pandas as pd
 from harness.analyse.compare import CONFIG, SWEEP, Comparison, compare
 from harness.analyse.noise import noise_reason
 from harness.analyse.pareto import unusable
-from harness.cli.common import OneLineError, make_console, show, tracking_uri_option
+from harness.cli.common import (
+    OneLineError,
+    make_console,
+    open_selected,
+    show,
+    tracking_uri_option,
+)
 from harness.cli.decide import budget_option, objectives_for
 from harness.contract import DEFAULT_RESULTS_DIR
 from harness.units import format_bytes
-
-
-def open_selected(selector: str, tracking_uri: str) -> Any:
-    """The sweep a selector names, or a one-line error (exit 1 for nothing recorded, 2 for an
-    unusable store), as every read command says it."""
-    from harness.record.results import ResultsError, select_sweep
-    from harness.record.store_checks import StoreError
-
-    try:
-        return select_sweep(selector, tracking_uri)
-    except ResultsError as error:
-        raise click.ClickException(str(error)) from None
-    except StoreError as error:
-        raise OneLineError(error.line("--tracking-uri")) from None
 
 
 def sweep_rows(comparison: Comparison, sweeps: dict[str, Any]) -> pd.DataFrame:

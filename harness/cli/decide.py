@@ -29,6 +29,7 @@ from harness.cli.common import (
     cell,
     experiment_option,
     make_console,
+    open_selected,
     open_sweep,
     output_dir,
     show,
@@ -306,7 +307,6 @@ def report(
     --versus, a section comparing it with other sweeps."""
     from harness.analyse.compare import compare
     from harness.analyse.report import write_report
-    from harness.cli.compare import open_selected
 
     sweep = open_sweep(experiment, sweep_id, tracking_uri)
     objectives = objectives_for(sweep, None)
