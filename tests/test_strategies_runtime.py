@@ -6,6 +6,7 @@ The mlp is width 256, depth 2 on digits (85,002 parameters); the baseline optimi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import sys
@@ -159,9 +160,27 @@ def test_cuda_only_strategies_are_refused_on_cpu(strategy):
         parse_spec(spec(strategy))
 
 
-def test_offload_activations_saves_tensors_on_cpu():
+def test_offload_activations_trains_as_without_it_and_keeps_a_stand_in_cards_copies_off_it():
+    """Real tensors go through torch's save_on_cpu (the same gradients); a fake CPU tensor
+    standing in for a CUDA one (a CPU predicting for a card) leaves its copy on the meta
+    device, where it is not counted as the card's memory (the H200 run found it counted)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def grads(offload: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(8, 8)
+        x = torch.randn(4, 8)
+        with OffloadActivations().step_context() if offload else contextlib.nullcontext():
+            layer(torch.relu(layer(x))).sum().backward()
+        return layer.weight.grad
+
+    torch.testing.assert_close(grads(True), grads(False))
     context = OffloadActivations().step_context()
-    assert isinstance(context, torch.autograd.graph.save_on_cpu)
+    with FakeTensorMode():
+        standing_in, (device, copy) = context.pack_hook(torch.empty(4, 8))
+        assert standing_in and device.type == "cpu" and copy.device.type == "meta"
+        back = context.unpack_hook((standing_in, (device, copy)))
+        assert back.device.type == "cpu" and back.shape == (4, 8)
 
 
 def test_expandable_segments_merges_with_the_users_allocator_settings(monkeypatch):

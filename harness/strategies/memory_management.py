@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from harness.strategies.base import Strategy, TrialContext
 from harness.workloads.convert import convert
@@ -53,8 +54,8 @@ class OffloadActivations(Strategy):
         host = torch.autograd.graph.save_on_cpu(pin_memory=True)
 
         def pack(tensor: torch.Tensor) -> tuple[bool, Any]:
-            if tensor.device.type == "cpu":
-                # This strategy is CUDA only, so a CPU tensor here stands for a CUDA one: a
+            if tensor.device.type == "cpu" and isinstance(tensor, FakeTensor):
+                # This strategy is CUDA only, so a fake CPU tensor stands for a CUDA one: a
                 # machine without a GPU predicting the trial for a card. Its host copy is not
                 # device memory; on the meta device it is counted nowhere, as on the card.
                 return True, (tensor.device, torch.empty_like(tensor, device="meta"))
