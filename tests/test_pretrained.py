@@ -257,3 +257,21 @@ def test_a_missing_weights_path_is_one_line_naming_the_field(tmp_path, family, s
     with pytest.raises(SpecError) as error:
         load_spec(write_spec(tmp_path, data))
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_pretrained_trials_first_held_out_loss_is_the_saved_models(saved_llama):
+    """The trial's own held-out curve (train.budget.eval_every) at step 0, before any training:
+    the saved model's loss when the size is pretrained, a random model's otherwise."""
+    folder, saved = saved_llama
+    expected = hf_loss(saved, load_dataset("text", TEXT, seed=0).test[INPUTS])
+    first = {}
+    for pretrained in (True, False):
+        data = hf_spec(folder, pretrained=pretrained)
+        data["train"]["budget"] = {"steps": 2, "eval_every": 2}
+        result = run_trial(trial_configs(parse_spec(data))[0])
+        assert result.status == "ok", result.failure_reason
+        assert result.eval_history[0]["step"] == 0
+        first[pretrained] = result.eval_history[0]["eval_loss"]
+    assert first[True] == pytest.approx(expected, rel=1e-5)
+    assert first[False] != pytest.approx(expected, rel=0.05)
