@@ -20,7 +20,7 @@ FORMAT ?= table
 # a trial process starting and stores answering, so two overlap well even on two cores.
 TEST_WORKERS ?= 2
 
-.PHONY: install browser sweep results test test-fast bench gpu-check lint ui clean
+.PHONY: install browser sweep base-model finetune results test test-fast bench gpu-check lint ui clean
 
 install: $(STAMP)
 
@@ -33,6 +33,15 @@ $(STAMP): pyproject.toml
 
 sweep: $(STAMP)
 	$(BIN)/harness sweep $(SPEC)
+
+# The pre-trained model experiments/finetune_quality.yaml fine-tunes (scripts/pretrain_base.py).
+base-model: results/base-model/model.safetensors
+
+results/base-model/model.safetensors: $(STAMP) scripts/pretrain_base.py
+	$(BIN)/python scripts/pretrain_base.py results/base-model
+
+finetune: base-model
+	$(BIN)/harness sweep experiments/finetune_quality.yaml
 
 results: $(STAMP)
 	$(BIN)/harness results --format $(FORMAT)

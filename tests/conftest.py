@@ -339,3 +339,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order within a file, and of files alike, stays."""
     slow = Counter(str(item.path) for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[str(item.path)])
+
+
+BASE_MODEL = REPO / "results" / "base-model"  # what `make base-model` writes
+
+
+def ensure_base_model() -> Path:
+    """The pre-trained model experiments/finetune_quality.yaml loads, made as `make base-model`
+    makes it where it is missing (built aside, then moved in: two test processes may race)."""
+    if (BASE_MODEL / "model.safetensors").exists():
+        return BASE_MODEL
+    import importlib.util
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location(
+        "pretrain_base", REPO / "scripts" / "pretrain_base.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    BASE_MODEL.parent.mkdir(parents=True, exist_ok=True)
+    aside = Path(tempfile.mkdtemp(dir=BASE_MODEL.parent, prefix=".base-model-"))
+    module.pretrain(aside, steps=400)
+    try:
+        aside.rename(BASE_MODEL)
+    except OSError:  # the other process got there first: its model is the same
+        shutil.rmtree(aside, ignore_errors=True)
+    return BASE_MODEL

@@ -215,6 +215,7 @@ class DataSpec(Strict):
     num_classes: int | None = Field(default=None, ge=2)
     num_samples: int | None = Field(default=None, ge=2)
     seq_len: PositiveInt | None = None
+    corpus: Literal["all", "first_half", "second_half"] | None = None  # text: which topics
     vocab_size: int | None = Field(default=None, ge=2)
     format: HFDatasetFormat | None = None
     data_files: str | list[str] | None = None

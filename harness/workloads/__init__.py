@@ -173,9 +173,10 @@ DATASETS: dict[str, DatasetInfo] = {
     "text": DatasetInfo(
         "text",
         "byte-level tokens of Python's bundled pydoc_data topics (about 466 KB of English); "
-        "windows of seq_len + 1 bytes, the last test_fraction of the text held out; offline",
+        "windows of seq_len + 1 bytes, the last test_fraction of the text held out; offline; "
+        "corpus: first_half or second_half of the topics (by name) for two texts",
         "harness.workloads.text:load",
-        ("test_fraction", "seq_len"),
+        ("test_fraction", "seq_len", "corpus"),
     ),
     "tokens": DatasetInfo(
         "tokens",

@@ -20,11 +20,20 @@ TOKENS_SAMPLES = 512  # harness.workloads.tokens' default num_samples
 DEFAULT_SEQ_LEN = 128
 
 
-def corpus_bytes() -> bytes:
-    """The ``text`` dataset's corpus: Python's bundled pydoc topics, as UTF-8 bytes."""
+# The ``text`` dataset's ``corpus`` option: which of pydoc's topics (sorted by name) it reads.
+# Two halves are two texts on different subjects: pre-train on one, fine-tune on the other.
+CORPUS_PARTS = ("all", "first_half", "second_half")
+
+
+def corpus_bytes(part: str = "all") -> bytes:
+    """The ``text`` dataset's corpus: Python's bundled pydoc topics, as UTF-8 bytes; ``part``
+    (``CORPUS_PARTS``) the first or second half of the topics by name, or all of them."""
     from pydoc_data.topics import topics
 
-    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+    names = sorted(topics)
+    half = len(names) // 2
+    chosen = {"all": names, "first_half": names[:half], "second_half": names[half:]}[part]
+    return "\n\n".join(topics[key] for key in chosen).encode("utf-8")
 
 
 def held_out(count: int, test_fraction: float) -> int:
@@ -46,6 +55,6 @@ def training_samples(dataset: str, options: dict[str, Any]) -> int | None:
         return count - held_out(count, test_fraction)
     if dataset == "text":
         seq_len = int(options.get("seq_len") or DEFAULT_SEQ_LEN)
-        cut = int(len(corpus_bytes()) * (1 - test_fraction))
+        cut = int(len(corpus_bytes(options.get("corpus") or "all")) * (1 - test_fraction))
         return max(0, (cut - 1) // seq_len)
     return None

@@ -4,7 +4,9 @@
 language-model trials run offline. Tokens are UTF-8 bytes (vocabulary 256). The text is cut into
 non-overlapping windows of ``seq_len + 1`` bytes: inputs are the first ``seq_len``, targets the
 same shifted by one. The last ``test_fraction`` of the text is held out, contiguous, so no
-held-out window overlaps training text.
+held-out window overlaps training text. ``corpus: first_half`` / ``second_half`` reads half of
+the topics (by name): two texts on different subjects, to pre-train on one and fine-tune on the
+other.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def describe(options: dict[str, Any]) -> DataInfo:
 
 def load(options: dict[str, Any], seed: int) -> SplitData:
     seq_len = int(options.get("seq_len") or 128)
-    tokens = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    text = corpus_bytes(options.get("corpus") or "all")
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     cut = int(len(tokens) * (1 - options.get("test_fraction", DEFAULT_TEST_FRACTION)))
     train, test = windows(tokens[:cut], seq_len), windows(tokens[cut:], seq_len)
     return SplitData(
