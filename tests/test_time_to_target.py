@@ -205,9 +205,10 @@ def test_a_sweep_records_time_to_target_and_the_curve_in_mlflow(tmp_path):
 
 @pytest.mark.slow
 def test_the_shipped_fine_tuning_experiment_starts_from_real_weights_and_reaches_its_target():
-    """experiments/finetune_quality.yaml, full fine-tuning alone: the pre-trained model scores
-    far below a random byte model's ln 256 = 5.55 on the other text before any step, and
-    fine-tuning reaches the spec's target within its max_steps."""
+    """experiments/finetune_quality.yaml, its chunked-loss row: the pre-trained model scores
+    far below a random byte model's ln 256 = 5.55 on the other text before any step,
+    fine-tuning reaches the spec's target within its max_steps, and perplexity is recorded
+    (chunked_ce's task says it is a language model)."""
     pytest.importorskip("transformers")
     from tests.conftest import REPO, ensure_base_model
 
@@ -215,7 +216,7 @@ def test_the_shipped_fine_tuning_experiment_starts_from_real_weights_and_reaches
     path = REPO / "experiments" / "finetune_quality.yaml"
     data = yaml.safe_load(path.read_text())
     data["model"]["sizes"]["base"]["config"] = str(REPO / "results" / "base-model")
-    data["grid"]["strategy"] = ["none"]
+    data["grid"]["strategy"] = ["chunked_ce"]
     target = data["train"]["budget"]["target"]["below"]
     result = run_trial(trial_configs(parse_spec(data))[0])
     assert result.status == "ok", result.failure_reason
@@ -224,3 +225,4 @@ def test_the_shipped_fine_tuning_experiment_starts_from_real_weights_and_reaches
     assert result.metrics["reached_target"] == 1.0
     assert result.metrics["steps_to_target"] <= data["train"]["budget"]["max_steps"]
     assert result.metrics["eval_loss"] < target
+    assert result.metrics["perplexity"] == pytest.approx(math.exp(result.metrics["eval_loss"]))

@@ -120,6 +120,12 @@ class ChunkedLoss(Task):
     def __init__(self, inner: Task, state: _HeadState, causal_shift: bool) -> None:
         self.inner, self.state, self.causal_shift = inner, state, causal_shift
 
+    @property
+    def causal(self) -> bool:
+        """Always a language model (chunked_ce refuses any other task): the eval curve's
+        perplexity reads this, as it reads a Hugging Face task's own."""
+        return True
+
     def labels(self, batch: Batch) -> torch.Tensor:
         """Aligned with the hidden states: the next token at each position (a Hugging Face
         causal LM's labels are its inputs, shifted here as its own loss shifts them)."""
