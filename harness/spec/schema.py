@@ -8,9 +8,11 @@ turns either into one line.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal, cast, get_args
 
 from pydantic import (
@@ -48,7 +50,7 @@ from harness.strategies.settings import (
     LoraSettings,
     OptimizerSettings,
 )
-from harness.trial.config import TARGET_BOUNDS, Budget, Target
+from harness.trial.config import Budget, BudgetError, Target
 from harness.units import parse_bytes, parse_seconds
 from harness.workloads import (
     DATASETS,
@@ -352,6 +354,17 @@ class OptimizerSpec(Strict):
         return self
 
 
+@contextlib.contextmanager
+def at_its_key() -> Iterator[None]:
+    """A ``BudgetError`` reported at the budget's (or target's) key it names."""
+    try:
+        yield
+    except BudgetError as error:
+        if not error.field:
+            raise ValueError(error.reason) from None
+        raise FieldProblem([error.field], error.reason) from None
+
+
 class TargetSpec(Strict):
     """``train.budget.target``: a quality to train until (``harness.trial.config.Target``)."""
 
@@ -361,12 +374,8 @@ class TargetSpec(Strict):
 
     @model_validator(mode="after")
     def bound_for_the_metric(self) -> TargetSpec:
-        bound = TARGET_BOUNDS[self.metric]
-        other = "above" if bound == "below" else "below"
-        if getattr(self, other) is not None:
-            raise FieldProblem([other], f"target {self.metric} takes {bound}, not {other}")
-        if getattr(self, bound) is None:
-            raise FieldProblem([bound], f"required for target {self.metric} (the value to reach)")
+        with at_its_key():  # Target says what a valid one is
+            self.target()
         return self
 
     def target(self) -> Target:
@@ -382,21 +391,8 @@ class BudgetSpec(Strict):
 
     @model_validator(mode="after")
     def exactly_one(self) -> BudgetSpec:
-        if self.target is not None:
-            for key in ("epochs", "steps"):
-                if getattr(self, key) is not None:
-                    raise FieldProblem(
-                        [key], "not with a target (it trains until the target or max_steps)"
-                    )
-            if self.max_steps is None:
-                raise FieldProblem(["max_steps"], "required with a target (the most steps to try)")
-            if self.eval_every is None:
-                raise FieldProblem(
-                    ["eval_every"], "required with a target (how often to check it, in steps)"
-                )
-        elif self.max_steps is not None:
-            raise FieldProblem(["max_steps"], "only applies with a target (else give steps)")
-        self.budget()  # Budget says what a valid one is
+        with at_its_key():  # Budget says what a valid one is
+            self.budget()
         return self
 
     def budget(self) -> Budget:

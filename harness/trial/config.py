@@ -44,6 +44,15 @@ STEP_TIMES_FILE = "step_times.json"  # the timed window's raw per-step times (ra
 TARGET_BOUNDS = {"eval_loss": "below", "perplexity": "below", "accuracy": "above"}
 
 
+class BudgetError(ValueError):
+    """A budget or target that cannot be: which of its keys (``field``, empty for the budget as
+    a whole) and why; the spec reports it at that key."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field, self.reason = field, reason
+
+
 @dataclass(frozen=True)
 class Target:
     """Train until ``metric`` is ``below`` (a loss) or ``above`` (accuracy) this value at an
@@ -56,10 +65,12 @@ class Target:
     def __post_init__(self) -> None:
         bound = TARGET_BOUNDS.get(self.metric)
         if bound is None:
-            raise ValueError(f"target metric must be one of {', '.join(TARGET_BOUNDS)}")
+            raise BudgetError("metric", f"must be one of {', '.join(TARGET_BOUNDS)}")
         other = "above" if bound == "below" else "below"
-        if getattr(self, bound) is None or getattr(self, other) is not None:
-            raise ValueError(f"target {self.metric} takes {bound} (not {other})")
+        if getattr(self, other) is not None:
+            raise BudgetError(other, f"target {self.metric} takes {bound}, not {other}")
+        if getattr(self, bound) is None:
+            raise BudgetError(bound, f"required for target {self.metric} (the value to reach)")
 
     @property
     def bound(self) -> float:
@@ -92,20 +103,25 @@ class Budget:
 
     def __post_init__(self) -> None:
         if self.target is not None:
+            for key in ("epochs", "steps"):
+                if getattr(self, key) is not None:
+                    raise BudgetError(
+                        key, "not with a target (it trains until the target or max_steps)"
+                    )
             if self.max_steps is None:
-                raise ValueError("a target needs max_steps (the most steps to try)")
-            if self.epochs is not None or self.steps is not None:
-                raise ValueError("a target trains until it is met: give max_steps, not steps")
+                raise BudgetError("max_steps", "required with a target (the most steps to try)")
             if self.eval_every is None:
-                raise ValueError("a target needs eval_every (how often to check it)")
+                raise BudgetError(
+                    "eval_every", "required with a target (how often to check it, in steps)"
+                )
         elif self.max_steps is not None:
-            raise ValueError("max_steps only applies with a target (else give steps)")
+            raise BudgetError("max_steps", "only applies with a target (else give steps)")
         elif (self.epochs is None) == (self.steps is None):
-            raise ValueError("give exactly one of epochs or steps")
+            raise BudgetError("", "give exactly one of epochs or steps")
         for name in ("epochs", "steps", "max_steps", "eval_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise BudgetError(name, "must be at least 1")
 
     def total_steps(self, per_epoch: int) -> int:
         """Optimizer steps in all (with a target: at most), an epoch being ``per_epoch`` steps."""
