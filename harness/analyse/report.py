@@ -345,8 +345,8 @@ def trial_table(
     return [table(columns, rows), *noisy_note(frame)]
 
 
-def groups_table(analysis: ParetoAnalysis) -> str:
-    columns = [("group", False), ("trials", True), ("feasible", True), ("front size", True)]
+def groups_table(analysis: ParetoAnalysis, heading: str = "group") -> str:
+    columns = [(heading, False), ("trials", True), ("feasible", True), ("front size", True)]
     columns.append(("hypervolume", True))
     rows = [
         [html.escape(str(g["group"])), str(g["trials"]), str(g["feasible"]), str(g["front_size"]),
@@ -449,14 +449,6 @@ def write_report(
 def comparison_section(comparison: Comparison) -> list[str]:
     """This sweep beside the others (``harness.analyse.compare``): every front on one scale,
     who dominates whom, each matched configuration's ratios to this sweep."""
-    groups = comparison.analysis.groups
-    columns = [("sweep", False), ("trials", True), ("feasible", True), ("front size", True)]
-    columns.append(("hypervolume", True))
-    rows = [
-        [html.escape(str(g["group"])), str(g["trials"]), str(g["feasible"]), str(g["front_size"]),
-         f"{float(g['hypervolume']):.3f}"]
-        for _, g in groups.iterrows()
-    ]  # fmt: skip
     figure = plots.pareto_figure(comparison.frame, comparison.analysis, "Pareto fronts by sweep")
     keys = [c for c in comparison.matched.columns if "/" not in c and " " not in c]
     ratios = [c for c in comparison.matched.columns if "/" in c]
@@ -469,7 +461,7 @@ def comparison_section(comparison: Comparison) -> list[str]:
         "<p>Every front scaled over the feasible trials of all these sweeps together (one "
         f"reference point); ratios are to {html.escape(comparison.labels[0])}, over the "
         "configurations every sweep finished ok.</p>",
-        table(columns, rows),
+        groups_table(comparison.analysis, "sweep"),
         "<ul>"
         + "".join(
             f"<li>{html.escape(line)}</li>"
