@@ -34,16 +34,14 @@ class Comparison:
     matched: pd.DataFrame  # per configuration every sweep has: values, and ratios to the first
     missing: pd.DataFrame  # per configuration some sweep lacks: each sweep's status or "absent"
 
-    def ratio_column(self, label: str, metric: str) -> str:
-        return f"{metric} {label}/{self.labels[0]}"
-
     def ratios(self) -> pd.DataFrame:
         """Per sweep after the first and objective: the range and median of its ratio to the
         first sweep over the matched configurations."""
         rows = []
         for label in self.labels[1:]:
             for objective in self.objectives:
-                values = self.matched[self.ratio_column(label, objective.metric)].dropna()
+                column = ratio_column(objective.metric, label, self.labels[0])
+                values = self.matched[column].dropna()
                 rows.append(
                     {
                         "sweep": label,
@@ -110,14 +108,17 @@ def compare(
     for metric in metrics:
         for label in labels:
             out[f"{metric} {label}"] = matched[(label, metric)]
-    comparison = Comparison(labels, objectives, frame, analysis, pd.DataFrame(), pd.DataFrame())
     for label in labels[1:]:
         for metric in metrics:
-            column = comparison.ratio_column(label, metric)
+            column = ratio_column(metric, label, labels[0])
             out[column] = matched[(label, metric)] / matched[(labels[0], metric)]
-    comparison.matched = out.reset_index()
-    comparison.missing = _missing(frame, labels, keys, set(matched.index))
-    return comparison
+    missing = _missing(frame, labels, keys, set(matched.index))
+    return Comparison(labels, objectives, frame, analysis, out.reset_index(), missing)
+
+
+def ratio_column(metric: str, label: str, baseline: str) -> str:
+    """The matched table's column of ``label``'s ``metric`` over the baseline sweep's."""
+    return f"{metric} {label}/{baseline}"
 
 
 def _missing(
