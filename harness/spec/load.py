@@ -24,7 +24,7 @@ from pydantic_core import ErrorDetails
 from harness.cuda.cards import CATALOGUE, Card, card_from_mapping
 from harness.spec.errors import FieldProblem, SpecError, did_you_mean
 from harness.spec.schema import Spec
-from harness.workloads import FAMILIES, is_user_code
+from harness.workloads import FAMILIES, find_file, is_user_code
 
 # What a results column holds (pandas Int64, MLflow params read back): an integer outside
 # this range validates in Python but breaks every table built from the sweep's records.
@@ -269,14 +269,13 @@ def check_weight_files(spec: Spec, path: Path) -> None:
             if knob not in family.weights or knob not in knobs:
                 continue
             field = f"model.sizes.{size}.{knob}"
-            found = next(
-                (p for p in (Path(f) / str(knobs[knob]) for f in folders) if p.exists()), None
-            )
-            if found is None:
+            try:  # the trial's own lookup, in its order
+                found = Path(find_file(str(knobs[knob]), folders, knob))
+            except FileNotFoundError:
                 raise SpecError(
                     f"{path}: {field}: {knobs[knob]!r} not found (looked in "
                     f"{' and '.join(folders)})"
-                )
+                ) from None
             if folder and not found.is_dir():
                 raise SpecError(
                     f"{path}: {field}: pretrained: true loads a folder saved by "
