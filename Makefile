@@ -8,7 +8,7 @@ SPEC   ?= experiments/default.yaml
 # torch/torchvision pinned here (not in pyproject) to the releases this machine serves from disk,
 # the only ones tested. Another torch (a GPU's CUDA build) installs instead, untested: where it
 # lacks a private MemTracker part the fast tracker uses, tensor accounting falls back to PyTorch's
-# own MemTracker, slower, same numbers (harness/meters/tracker.py, docs/measuring.md).
+# own MemTracker, slower, same numbers (harness/compat/memtracker.py, docs/measuring.md).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 # Where torch comes from: empty is pip's default (PyPI's CUDA build: a 6.6 GB .venv); a CPU-only
 # machine can take `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu` (~2.5 GB).

@@ -10,12 +10,14 @@ the steps below it (the contracts in pyproject.toml, checked by import-linter). 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import grimp
 
+from harness.compat.lint import private_torch_names
 from harness.spec import parse_spec, trial_configs
 from tests.conftest import REPO, expect_exit
 
@@ -114,4 +116,30 @@ def test_the_layering_contracts_hold():
         [str(lint_imports), "--no-cache"], capture_output=True, text=True, cwd=REPO, timeout=300
     )
     expect_exit(done)
-    assert "2 kept, 0 broken" in done.stdout
+    assert "3 kept, 0 broken" in done.stdout
+
+
+def test_private_torch_is_named_only_in_the_compat_boundary():
+    """The issue's own check: no file outside harness/compat spells a private torch name."""
+    pattern = re.compile(r"torch\._|torch\.utils\._|torch\.testing\._internal|_C\._")
+    outside = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "harness").rglob("*.py")
+        if pattern.search(path.read_text()) and "compat" not in path.relative_to(REPO).parts
+    )
+    assert outside == []
+
+
+def test_the_private_torch_contract_reads_names_not_text():
+    source = "\n".join(
+        [
+            "from torch.utils._pytree import tree_leaves",
+            "import torch._C as C",
+            "task = torch._C._current_graph_task_id()",
+            "op = torch.ops.aten._to_copy.default  # an op's name, not a private module",
+            "version = torch.__version__",
+            "# torch._C in a comment",
+            "text = 'torch._guards in a string'",
+        ]
+    )
+    assert [line for line, _ in private_torch_names(source)] == [1, 2, 3]

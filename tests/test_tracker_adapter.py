@@ -1,4 +1,4 @@
-"""The tracker adapter (``harness.meters.tracker``): the fast engine, built on ``MemTracker``'s
+"""The tracker adapter (``harness.compat.memtracker``): the fast engine, built on ``MemTracker``'s
 private parts, and ``MemTracker`` as shipped, the fallback, give the same numbers on the same
 training step, to the byte (peak, breakdown, timeline, the fit search's moments; real CPU
 steps and fake-tensor predictions); the start-up check names what a torch lacks."""
@@ -13,10 +13,9 @@ import sys
 import pytest
 import torch
 
-from harness.meters import tracker, tracker_public
-from harness.meters.accounting import PeakTracker
-from harness.meters.memory import MemoryWindow
-from harness.meters.tracker import (
+from harness.compat import memtracker as tracker
+from harness.compat import memtracker_public as tracker_public
+from harness.compat.memtracker import (
     CUDA_ROUNDING,
     ENV,
     FAST,
@@ -30,6 +29,8 @@ from harness.meters.tracker import (
     module,
     package,
 )
+from harness.meters.accounting import PeakTracker
+from harness.meters.memory import MemoryWindow
 from harness.spec import parse_spec, trial_configs
 from harness.trial.distributed import Ranks
 from harness.trial.estimate import Predictor, estimate_peak

@@ -8,6 +8,7 @@ from harness.cli.cards import cards
 from harness.cli.common import SpecAwareGroup
 from harness.cli.compare import compare_command
 from harness.cli.decide import pareto, recommend, report, timeline
+from harness.cli.doctor import doctor
 from harness.cli.fit import fit
 from harness.cli.plan import estimate, plan, validate
 from harness.cli.replay import replay
@@ -28,6 +29,7 @@ for command in (
     plan,
     fit,
     cards,
+    doctor,
     replay,
     sweep,
     worker,

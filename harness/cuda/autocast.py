@@ -39,9 +39,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves
+
+from harness.compat.internals import (
+    FAKE_TENSOR_LOGGER,
+    FakeTensorMode,
+    OpOverload,
+    TorchDispatchMode,
+    destroy_library,
+    disable_current_modes,
+    excluding_dispatch_key,
+    is_view,
+    op_schema,
+    registered_ops,
+    tree_leaves,
+)
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -73,17 +84,7 @@ class Policies:
     unclassified: tuple[str, ...]  # CUDA-registered ops whose probe could not run
 
 
-def registered(dispatch_key: str) -> list[str]:
-    """Every op with a (non-fall-through) kernel at ``dispatch_key``, e.g. ``AutocastCUDA``."""
-    marker = f"{dispatch_key}: registered"
-    return sorted(
-        name
-        for name in torch._C._dispatch_get_all_op_names()
-        if marker in torch._C._dispatch_dump(name)
-    )
-
-
-def overload(name: str) -> torch._ops.OpOverload:
+def overload(name: str) -> OpOverload:
     """``aten::pow.Tensor_Scalar`` -> ``torch.ops.aten.pow.Tensor_Scalar``."""
     namespace, _, rest = name.partition("::")
     base, _, variant = rest.partition(".")
@@ -93,14 +94,14 @@ def overload(name: str) -> torch._ops.OpOverload:
 @functools.cache
 def cuda_ops() -> tuple[str, ...]:
     """The ops CUDA autocast casts, as the installed PyTorch registers them."""
-    return tuple(registered("AutocastCUDA"))
+    return tuple(registered_ops("AutocastCUDA"))
 
 
 @functools.cache
 def cpu_only_ops() -> tuple[str, ...]:
     """The ops CPU autocast casts and CUDA autocast does not."""
     cuda = set(cuda_ops())
-    return tuple(name for name in registered("AutocastCPU") if name not in cuda)
+    return tuple(name for name in registered_ops("AutocastCPU") if name not in cuda)
 
 
 @functools.cache
@@ -108,7 +109,7 @@ def rule_for(name: str) -> Rule | None:
     """``name``'s CUDA policy (``classify``), learnt the first time it is asked for: a step
     calls a handful of these ops, and each costs a few milliseconds to probe. Whatever modes
     are active (a prediction's fake tensors and trackers) are set aside for the probe."""
-    with _disable_current_modes(), _cuda_autocast_enabled(), _quiet():
+    with disable_current_modes(), _cuda_autocast_enabled(), _quiet():
         return classify(name)
 
 
@@ -140,7 +141,7 @@ def _cuda_autocast_enabled() -> Iterator[None]:
 def _quiet() -> Iterator[None]:
     """Probes that fail on purpose stay silent: Python warnings, fake-tensor error logs, and
     C++ warnings (deprecated ops), which PyTorch writes to the process's stderr directly."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     sys.stderr.flush()
@@ -189,7 +190,7 @@ _PROFILES = (
 
 
 def _probe_args(
-    op: torch._ops.OpOverload, shape: tuple[int, ...], vectors: bool, dtypes: list[torch.dtype]
+    op: OpOverload, shape: tuple[int, ...], vectors: bool, dtypes: list[torch.dtype]
 ) -> Any:
     """Arguments for ``op`` from its schema: fake CUDA tensors of ``shape`` (the n-th tensor in
     ``dtypes[n]``, the last repeated), defaults elsewhere, small numbers where required."""
@@ -227,14 +228,16 @@ def _probe_args(
             "Scalar": 2.0,
         }.get(kind)
 
-    positional = [value(a) for a in op._schema.arguments if not a.kwarg_only]
+    positional = [value(a) for a in op_schema(op).arguments if not a.kwarg_only]
     keywords = {
-        a.name: value(a) for a in op._schema.arguments if a.kwarg_only and not a.has_default_value()
+        a.name: value(a)
+        for a in op_schema(op).arguments
+        if a.kwarg_only and not a.has_default_value()
     }
     return positional, keywords
 
 
-def _observe(op: torch._ops.OpOverload, dtypes: list[torch.dtype]) -> tuple[Any, ...] | str:
+def _observe(op: OpOverload, dtypes: list[torch.dtype]) -> tuple[Any, ...] | str:
     """What the CUDA autocast kernel of ``op`` passed below itself, for inputs of ``dtypes``:
     ``(func, float input dtypes, dtype arguments)``; or the error text if no shape worked."""
     error = ""
@@ -253,7 +256,7 @@ def _observe(op: torch._ops.OpOverload, dtypes: list[torch.dtype]) -> tuple[Any,
     return error or "no op below autocast"
 
 
-def _output_dtype(op: torch._ops.OpOverload, dtypes: list[torch.dtype]) -> torch.dtype | None:
+def _output_dtype(op: OpOverload, dtypes: list[torch.dtype]) -> torch.dtype | None:
     """The dtype ``op`` returns under CUDA autocast for inputs of ``dtypes`` (fake CUDA
     tensors); None where no probe shape runs."""
     for shape, vectors in _PROFILES:
@@ -295,7 +298,7 @@ def classify(name: str) -> Rule | None:
         return None
     func, floats, dtype_args = wide
     out_wide = _output_dtype(op, [torch.float16])
-    takes_dtype = any(a.name == "dtype" for a in op._schema.arguments)
+    takes_dtype = any(a.name == "dtype" for a in op_schema(op).arguments)
     if torch.float32 in dtype_args or (out_wide == torch.float32 and takes_dtype):
         if takes_dtype:
             return Rule(Policy.FP32_SET_OPT_DTYPE)
@@ -328,7 +331,7 @@ class _CastCache:
             and tensor.dtype == torch.float32
             and tensor.requires_grad
             and tensor.is_leaf
-            and not tensor._is_view()
+            and not is_view(tensor)
             and torch.is_autocast_cache_enabled()
         )
         if not cacheable:
@@ -364,14 +367,12 @@ def _promote_type(values: list[Any]) -> torch.dtype:
     return current
 
 
-def _with_defaults(
-    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[Any]:
+def _with_defaults(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """Every positional argument of ``op``'s schema, defaults filled in: a C++ wrapper gets them
     all, a Python kernel only those the caller passed, and the overload redispatched to (with
     its dtype appended) requires them."""
     values = []
-    for index, argument in enumerate(a for a in op._schema.arguments if not a.kwarg_only):
+    for index, argument in enumerate(a for a in op_schema(op).arguments if not a.kwarg_only):
         if index < len(args):
             values.append(args[index])
         elif argument.name in kwargs:
@@ -386,8 +387,9 @@ def _kernel(name: str, cache: _CastCache, unclassified: set[str]) -> Callable[..
     (autocast excluded below it, casts recorded by autograd); an op whose rule could not be
     learnt runs uncast and is reported in ``unclassified``."""
     op = overload(name)
-    dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
-    exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    dtype_index = next(
+        (i for i, a in enumerate(op_schema(op).arguments) if a.name == "dtype"), None
+    )
 
     def cast_all(values: Any, dtype: torch.dtype) -> Any:
         if isinstance(values, (list, tuple)):
@@ -396,7 +398,7 @@ def _kernel(name: str, cache: _CastCache, unclassified: set[str]) -> Callable[..
 
     def run(*args: Any, **kwargs: Any) -> Any:
         rule = rule_for(name)
-        with torch._C._ExcludeDispatchKeyGuard(exclude):
+        with excluding_dispatch_key("AutocastCPU"):
             if rule is None:
                 unclassified.add(name)
                 return op(*args, **kwargs)
@@ -441,23 +443,32 @@ def cuda_autocast_rules() -> Iterator[set[str]]:
     set of ops that ran uncast for want of a rule (for the prediction's note)."""
     cache = _CastCache()
     unclassified: set[str] = set()
-    library = torch.library.Library("aten", "IMPL")
+    libraries: dict[str, torch.library.Library] = {}
     original_clear = torch.clear_autocast_cache
+
+    def register(name: str, kernel: Callable[..., Any]) -> None:
+        # Each op in its own namespace's library: CUDA autocast also casts other libraries'
+        # ops (torchvision::deform_conv2d), which ``aten`` would take as a second definition.
+        namespace, _, op = name.partition("::")
+        if namespace not in libraries:
+            libraries[namespace] = torch.library.Library(namespace, "IMPL")
+        libraries[namespace].impl(op, kernel, "AutocastCPU")
 
     def clear() -> None:
         cache.clear()
         original_clear()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-        for name in cuda_ops():
-            library.impl(name.partition("::")[2], _kernel(name, cache, unclassified), "AutocastCPU")
-        for name in cpu_only_ops():
-            library.impl(name.partition("::")[2], torch.library.fallthrough_kernel, "AutocastCPU")
-    torch.clear_autocast_cache = clear
-    try:
+    try:  # a registration that fails still leaves every one before it undone
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+            for name in cuda_ops():
+                register(name, _kernel(name, cache, unclassified))
+            for name in cpu_only_ops():
+                register(name, torch.library.fallthrough_kernel)
+        torch.clear_autocast_cache = clear
         yield unclassified
     finally:
         torch.clear_autocast_cache = original_clear
         cache.clear()
-        library._destroy()
+        for library in libraries.values():
+            destroy_library(library)

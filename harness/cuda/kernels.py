@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.compat.internals import destroy_library, in_backward, op_schema
 from harness.cuda.cards import CUBLASLT_WORKSPACE, Card
 
 aten = torch.ops.aten
@@ -300,14 +301,14 @@ def cuda_kernels(capability: tuple[int, int], cudnn_version: int | None) -> Iter
     """While active, CPU tensors' attention and dropout run as they would on the card."""
     kernels = Kernels(capability, cudnn_version)
     library = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-        library.impl("scaled_dot_product_attention", kernels.attention, "AutogradCPU")
-        library.impl("dropout", kernels.dropout, "AutogradCPU")
-    try:
+    try:  # a registration that fails still leaves the ones before it undone
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+            library.impl("scaled_dot_product_attention", kernels.attention, "AutogradCPU")
+            library.impl("dropout", kernels.dropout, "AutogradCPU")
         yield kernels
     finally:
-        library._destroy()
+        destroy_library(library)
 
 
 def installed_cudnn_version() -> int | None:
@@ -341,10 +342,10 @@ class Workspaces:
         self.total = 0
 
     def __call__(self, func: object) -> list[int]:
-        name = getattr(getattr(func, "_schema", None), "name", "").partition("::")[2]
+        name = getattr(op_schema(func), "name", "").partition("::")[2]
         if name not in self.GEMMS:
             return []
-        backward = torch._C._current_graph_task_id() != -1
+        backward = in_backward()
         sizes = []
         if (backward, "cublas") not in self.seen:
             self.seen.add((backward, "cublas"))

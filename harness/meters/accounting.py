@@ -2,7 +2,7 @@
 
 A tracker sees every storage created while it is active and files it by what holds it
 (parameter, gradient, optimizer state, activation, ...): PyTorch's ``MemTracker``
-(``torch.distributed._tools.mem_tracker``), run by the engine ``harness.meters.tracker`` picks
+(``torch.distributed._tools.mem_tracker``), run by the engine ``harness.compat.memtracker`` picks
 for the installed torch (fast, on its private parts; or as shipped, slower, same numbers). The
 memory window, the timeline and ``quantize_int8``'s inference peak use it through this module,
 and fold its reference types into the five categories of ``harness.metrics`` here, once.
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from harness.meters import tracker
-from harness.meters.snapshot_keys import TOTAL
-from harness.meters.tracker import get_untyped_storages
+from harness.compat import memtracker as tracker
+from harness.compat.memtracker import get_untyped_storages
+from harness.compat.snapshot_keys import TOTAL
 
 __all__ = [
     "CUDA_BLOCK",
@@ -39,7 +39,7 @@ CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
 
 class PeakTracker:
     """Tensor accounting over a ``with`` block: the running snapshot by reference type, and
-    its peak. ``MemTracker``'s interface, on the engine ``harness.meters.tracker`` chose
+    its peak. ``MemTracker``'s interface, on the engine ``harness.compat.memtracker`` chose
     (``kind`` forces one: ``"fast"`` or ``"public"``).
 
     Register what exists before the block with ``track_external`` (model, optimizer,

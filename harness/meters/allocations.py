@@ -24,10 +24,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch._guards import active_fake_mode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from harness.compat.internals import TorchDispatchMode, active_fake_mode, tree_leaves
 from harness.meters.accounting import get_untyped_storages
 
 FREE = -1

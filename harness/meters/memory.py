@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from harness.compat.internals import dump_snapshot, record_memory_history
 from harness.meters.accounting import (
     PeakTracker,
     TotalsTracker,
@@ -121,7 +122,7 @@ class MemoryWindow:
     def _start_history(self) -> None:
         """Record the allocator's history, bounded; a refusal only loses the snapshot."""
         try:
-            torch.cuda.memory._record_memory_history(
+            record_memory_history(
                 enabled="all",
                 context="alloc",  # tracebacks of allocations only, not of frees
                 stacks="python",  # no C++ frames: the smallest stacks torch records
@@ -134,12 +135,12 @@ class MemoryWindow:
     def _dump_history(self, path: str) -> None:
         """Write the history for the memory viewer and stop recording, whatever happens."""
         try:
-            torch.cuda.memory._dump_snapshot(path)
+            dump_snapshot(path)
         except Exception as error:
             self.snapshot_error = f"allocator snapshot not written: {type(error).__name__}: {error}"
         finally:
             try:
-                torch.cuda.memory._record_memory_history(enabled=None)
+                record_memory_history(enabled=None)
             except Exception as error:
                 self.snapshot_error = self.snapshot_error or (
                     f"allocator history not stopped: {type(error).__name__}: {error}"

@@ -30,9 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from harness.compat.internals import (
+    OpOverload,
+    TorchDispatchMode,
+    flop_formula_of_tensors,
+    in_backward,
+    tree_leaves,
+)
 
 FLOPS, MEMORY, FREE, COLLECTIVE, NO_RULE = "flops", "memory", "free", "collective", "no rule"
 
@@ -73,7 +79,7 @@ def _heads_broadcast(formula: Any, query_at: int) -> Any:
             )
         return formula(*args, **kwargs)
 
-    return count
+    return flop_formula_of_tensors(count)
 
 
 # torch's formulas take the op's tensors (they are wrapped to read shapes); these are missing.
@@ -87,6 +93,29 @@ _FORMULAS: dict[Any, Any] = {
 for _op, _formula in list(_FORMULAS.items()):
     if _op.__name__.startswith("_scaled_dot_product_"):
         _FORMULAS[_op] = _heads_broadcast(_formula, 1 if _op.__name__.endswith("_backward") else 0)
+
+# torch's own FLOP formulas with grouped-query attention counted, for ``FlopCounterMode``'s
+# ``custom_mapping`` (``trial/recompute.py``): torch 2.11's assert on it otherwise.
+ATTENTION_FORMULAS: dict[Any, Any] = {
+    op: formula for op, formula in _FORMULAS.items() if op.__name__.startswith("_scaled_dot_")
+}
+
+# Memory-bound ops by tag; ``torch.Tag.reduction`` is younger than torch 2.9, so an older torch
+# gets the ops torch 2.14 tags reduction (and not pointwise) by name.
+_MEMORY_TAGS = frozenset(
+    getattr(torch.Tag, name) for name in ("pointwise", "reduction") if hasattr(torch.Tag, name)
+)
+_UNTAGGED_REDUCTIONS = (
+    frozenset()
+    if hasattr(torch.Tag, "reduction")
+    else frozenset(
+        {
+            "all", "amax", "amin", "aminmax", "any", "argmax", "argmin", "count_nonzero",
+            "linalg__powsum", "linalg_vector_norm", "logsumexp", "max", "mean", "min", "nansum",
+            "norm", "prod", "std", "std_mean", "sum", "var", "var_mean",
+        }
+    )
+)  # fmt: skip
 
 # Memory-bound ops torch tags neither pointwise nor reduction.
 _MEMORY_OPS = {
@@ -186,7 +215,7 @@ def _nbytes(tensors: list[torch.Tensor]) -> float:
 _RULES: dict[Any, str] = {}  # an op's rule, found once
 
 
-def rule_of(func: torch._ops.OpOverload) -> str:
+def rule_of(func: OpOverload) -> str:
     """Which rule prices ``func`` (module docstring)."""
     rule = _RULES.get(func)
     if rule is None:
@@ -194,7 +223,7 @@ def rule_of(func: torch._ops.OpOverload) -> str:
     return rule
 
 
-def _find_rule(func: torch._ops.OpOverload) -> str:
+def _find_rule(func: OpOverload) -> str:
     packet = func.overloadpacket
     if packet in _FORMULAS:
         return FLOPS
@@ -203,10 +232,9 @@ def _find_rule(func: torch._ops.OpOverload) -> str:
     name = packet.__name__
     if func.is_view or name in _FREE_OPS:
         return FREE
-    tags = func.tags
     if (
-        torch.Tag.pointwise in tags
-        or torch.Tag.reduction in tags
+        not _MEMORY_TAGS.isdisjoint(func.tags)
+        or name in _UNTAGGED_REDUCTIONS
         or name in _MEMORY_OPS
         or name.startswith("_foreach_")
     ):
@@ -242,7 +270,7 @@ def _compute_dtype(tensors: list[torch.Tensor]) -> str:
 def _recomputing() -> bool:
     """Inside the backward pass with autograd recording: a checkpoint's recomputation (the
     backward's own ops run with grad mode off unless ``create_graph``, which no trial uses)."""
-    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+    return in_backward() and torch.is_grad_enabled()
 
 
 class OpCostCounter(TorchDispatchMode):

@@ -5,7 +5,7 @@ A peak says *how much*; the timeline says *when* and *why*: activations climb th
 forward pass and fall through backward, gradients appear, the optimizer step adds temporaries,
 and under checkpointing the recomputation shows as a saw-tooth inside backward. The samples
 come from the same accounting as the peak (``MemTracker``'s running snapshot, read after each op,
-where its own peak is taken, on whichever engine ``harness.meters.tracker`` chose), so the timeline's highest total is the trial's
+where its own peak is taken, on whichever engine ``harness.compat.memtracker`` chose), so the timeline's highest total is the trial's
 ``peak_allocated_bytes`` on CPU. On CUDA the allocator's ``memory_allocated`` and
 ``memory_reserved`` are sampled beside it (reserved - allocated = caching/fragmentation).
 

@@ -23,7 +23,6 @@ attribute ``lm_head``, ``head`` or ``output`` of the model (or of the model a wr
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harness.strategies.base import Strategy, StrategyError, TrialContext
 from harness.workloads.hf import HuggingFace
+from harness.workloads.libraries import import_library
 from harness.workloads.task import IGNORE, Logits, Task, UserModel, is_causal_lm
 from harness.workloads.tensors import TARGETS, Batch
 
@@ -229,10 +229,7 @@ class FusedCrossEntropy(ChunkedCrossEntropy):
 
 
 def _liger() -> Any:
-    try:  # an optional package, not installed by make: imported by name
-        liger = importlib.import_module("liger_kernel.transformers")
-    except ImportError as error:
-        raise StrategyError(
-            f"fused_ce needs liger-kernel (pip install liger-kernel): {error}"
-        ) from None
-    return liger
+    # An optional package, not installed by make.
+    return import_library(
+        "liger_kernel.transformers", "fused_ce", "pip install liger-kernel", StrategyError
+    )

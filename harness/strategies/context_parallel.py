@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.compat.internals import cp_options
 from harness.strategies.base import Strategy, StrategyError, TrialContext
 from harness.strategies.mesh import require_group, submesh
 from harness.strategies.parallel import Ddp
@@ -37,14 +38,13 @@ from harness.workloads.tensors import INPUTS, Batch
 @contextlib.contextmanager
 def balanced(enabled: bool) -> Iterator[None]:
     """Ring attention's causal load balancing on or off (PyTorch keeps it a module option)."""
-    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
-
-    before = _cp_options.enable_load_balance
-    _cp_options.enable_load_balance = enabled
+    options = cp_options()
+    before = options.enable_load_balance
+    options.enable_load_balance = enabled
     try:
         yield
     finally:
-        _cp_options.enable_load_balance = before
+        options.enable_load_balance = before
 
 
 class ContextParallel(Strategy):

@@ -37,6 +37,7 @@ from harness.strategies.base import Strategy, StrategyError, TrialContext
 from harness.strategies.checkpoint import repeated_blocks
 from harness.strategies.settings import LoraSettings
 from harness.workloads.convert import convert
+from harness.workloads.libraries import import_library
 
 NF4_BLOCK = 64  # values per absmax scale (QLoRA's block size)
 NF4_SCALER_BLOCK = 256  # scales per second-level (fp32) scale in the double quantization
@@ -45,12 +46,7 @@ BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 
 
 def import_peft() -> Any:
-    try:
-        import peft
-    except ImportError as error:
-        raise RuntimeError(
-            f"strategy lora needs peft (pip install 'harness[models]'): {error}"
-        ) from None
+    peft = import_library("peft", "strategy lora")
     # peft asks transformers 5 for a renamed property on every get_peft_model: noise in each
     # trial's log, nothing the user can act on.
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
@@ -163,10 +159,7 @@ def quantize_blocks(model: nn.Module) -> dict[str, Any]:
     A weight whose size is not a multiple of the 64-value block stays in the base dtype; a
     small one whose block count is not a multiple of 256 gets a smaller second-level block.
     """
-    try:
-        from torchao.quantization import to_nf4
-    except ImportError as error:
-        raise RuntimeError(f"strategy qlora needs torchao (pip install torchao): {error}") from None
+    to_nf4 = import_library("torchao.quantization", "strategy qlora", "pip install torchao").to_nf4
     quantized = kept = 0
     for module in frozen_block_linears(model):
         weight = module.weight

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
+from harness.compat.internals import FakeTensor
 from harness.strategies.base import Strategy, TrialContext
 from harness.workloads.convert import convert
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from harness.compat.internals import disable_current_modes, flatten_mesh
 from harness.strategies.base import TrialContext
 
 
@@ -23,9 +24,7 @@ def require_group(name: str) -> None:
 def real_tensors() -> Any:
     """A mesh is a small table of rank numbers searched by value: it must stay a real tensor
     when the estimator builds or slices it on fake ones."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
+    return disable_current_modes()
 
 
 def device_mesh(ctx: TrialContext) -> DeviceMesh:
@@ -54,6 +53,6 @@ def submesh(ctx: TrialContext, dim: str) -> DeviceMesh:
             # Parameters are whole over the context ranks too: FSDP shards, and DDP averages
             # gradients, over both dimensions as one.
             if "dp_cp" not in ctx.submeshes:
-                ctx.submeshes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")
+                ctx.submeshes["dp_cp"] = flatten_mesh(mesh["dp", "cp"], "dp_cp")
             return ctx.submeshes["dp_cp"]
         return mesh[dim]

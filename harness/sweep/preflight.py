@@ -56,10 +56,12 @@ def device_problem(device: str) -> str | None:
         return None
     import torch
 
+    from harness.compat.internals import TORCH_VERSION
+
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
         return (
-            f"{device}, but this host has no usable CUDA device (torch {torch.__version__}, "
+            f"{device}, but this host has no usable CUDA device (torch {TORCH_VERSION}, "
             f"{build}); use device: auto or cpu here, or `harness estimate --device cuda` to "
             "predict for a card"
         )

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from harness.compat.internals import TORCH_VERSION
 from harness.meters.op_costs import OpCostCounter
 from harness.meters.roofline import ATTENTIONS, Roofline
 from harness.trial.hardware import cpu_name
@@ -64,7 +65,7 @@ def cache_dir() -> Path:
 
 
 def host_key(threads: int) -> str:
-    identity = f"{cpu_name()}|{os.cpu_count()}|{threads}|{torch.__version__}|{VERSION}"
+    identity = f"{cpu_name()}|{os.cpu_count()}|{threads}|{TORCH_VERSION}|{VERSION}"
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
@@ -284,7 +285,7 @@ def measure(threads: int) -> Roofline:
         host_overhead_s=overhead,
         launch_gap_s=0.0,
         overlapped=False,
-        source=f"calibrated on {cpu_name()} with {threads} thread(s), torch {torch.__version__}",
+        source=f"calibrated on {cpu_name()} with {threads} thread(s), torch {TORCH_VERSION}",
         measured={
             "threads": threads,
             "dispatch_s": dispatch_s,

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from harness.compat.internals import FakeTensorMode
 from harness.contract import OPTIMIZER_STATE_BYTES
 from harness.cuda.cards import Card
 from harness.cuda.device_memory import FREE, DeviceMemory, Replayable

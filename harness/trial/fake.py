@@ -41,11 +41,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses import fake_tensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from harness.compat.internals import (
+    BATCH_P2P,
+    FakeTensor,
+    TorchDispatchMode,
+    disable_current_modes,
+    fake_refusals,
+    fake_store,
+    forget_sharding_decisions,
+    replaced,
+)
 from harness.trial.distributed import Ranks
 
 SMALL = 2**16  # elements: tensors up to this size are built for real (their values readable)
@@ -54,14 +62,8 @@ SMALL = 2**16  # elements: tensors up to this size are built for real (their val
 # whose shape depends on data, a guard on a data-dependent size) or where an op has no fake
 # kernel: a step that raises one of these cannot be predicted, which the estimate says (an
 # ``unpredictable`` Prediction). Any other exception is a bug, in harness or in the model: a crash.
-FAKE_REFUSALS: tuple[type[Exception], ...] = (
-    fake_tensor.DataDependentOutputException,
-    fake_tensor.DynamicOutputShapeException,
-    fake_tensor.UnsupportedOperatorException,
-    fake_tensor.UnsupportedFakeTensorException,
-    fake_tensor.UnsupportedMutationAliasingException,
-    GuardOnDataDependentSymNode,
-)
+# A private piece the installed torch lacks (``harness.compat``) is refused the same way.
+FAKE_REFUSALS: tuple[type[Exception], ...] = (*fake_refusals(), GuardOnDataDependentSymNode)
 
 # Functions that create a tensor from sizes or Python numbers, not from other tensors.
 _FACTORIES = {
@@ -148,13 +150,11 @@ class LargeTensorsOnMeta(TorchFunctionMode):
 @contextlib.contextmanager
 def construct_on_meta() -> Iterator[None]:
     """Build a model for real (outside any fake or tracking mode), its large tensors on meta."""
-    with _disable_current_modes(), LargeTensorsOnMeta():
+    with disable_current_modes(), LargeTensorsOnMeta():
         yield
 
 
 def _eager_is_tracing(original: Any) -> Any:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     def is_tracing(tensor: Any = None) -> bool:
         return original(None if isinstance(tensor, FakeTensor) else tensor)
 
@@ -187,10 +187,9 @@ def fake_process_group(ranks: Ranks) -> Iterator[None]:
         return
     if dist.is_initialized():
         raise RuntimeError("a multi-rank trial must be predicted before its process group starts")
-    # Importing it registers the "fake" backend (torch's own tests and tools use it so).
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank, world_size=ranks.size)
+    # Making its store registers the "fake" backend (torch's own tests and tools use it so).
+    store = fake_store()
+    dist.init_process_group("fake", store=store, rank=ranks.rank, world_size=ranks.size)
     try:
         with meshes_of_real_tensors(), sends_hold_their_tensors():
             yield
@@ -214,24 +213,19 @@ class _HeldWork:
 @contextlib.contextmanager
 def sends_hold_their_tensors() -> Iterator[None]:
     """A pipeline schedule's sends and receives, their tensors held until the schedule waits
-    on them: what a real step holds between the two."""
-    try:
-        from torch.distributed.pipelining import schedules
-    except ImportError:  # a build without pipelining: nothing to hold
-        yield
-        return
-    original = schedules._batch_p2p
+    on them: what a real step holds between the two (a torch without the schedule's batching
+    function, or without pipelining, holds nothing)."""
 
-    def batch_p2p(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
-        # The fake group's sends may return no work at all: one that holds them stands in.
-        works = original(p2p_ops, desc=desc)
-        return [_HeldWork(works, [op.tensor for op in p2p_ops])] if p2p_ops else works
+    def holding(original: Callable[..., Any]) -> Callable[..., Any]:
+        def batch_p2p(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+            # The fake group's sends may return no work at all: one that holds them stands in.
+            works = original(p2p_ops, desc=desc)
+            return [_HeldWork(works, [op.tensor for op in p2p_ops])] if p2p_ops else works
 
-    schedules._batch_p2p = batch_p2p
-    try:
+        return batch_p2p
+
+    with replaced(BATCH_P2P, holding):
         yield
-    finally:
-        schedules._batch_p2p = original
 
 
 @contextlib.contextmanager
@@ -243,7 +237,7 @@ def meshes_of_real_tensors() -> Iterator[None]:
     original = DeviceMesh.__init__
 
     def build_for_real(self: Any, *args: Any, **kwargs: Any) -> None:
-        with _disable_current_modes():
+        with disable_current_modes():
             original(self, *args, **kwargs)
 
     DeviceMesh.__init__ = build_for_real  # type: ignore[method-assign]
@@ -251,12 +245,3 @@ def meshes_of_real_tensors() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.__init__ = original  # type: ignore[method-assign]
-
-
-def forget_sharding_decisions() -> None:
-    """DTensor's caches of sharding propagation and redistribution plans, emptied."""
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()

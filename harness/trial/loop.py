@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from harness.meters import tracker
+from harness.compat import memtracker as tracker
+from harness.compat.internals import TORCH_VERSION
 from harness.meters.accuracy import evaluate
 from harness.meters.communication import collective_ms
 from harness.meters.contention import ContentionMeter
@@ -42,7 +43,7 @@ class Measurements:
     """What a trial has measured so far; kept when it ends early (``oom``, ``diverged``)."""
 
     metrics: dict[str, float] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=lambda: {"torch_version": torch.__version__})
+    info: dict[str, Any] = field(default_factory=lambda: {"torch_version": TORCH_VERSION})
     loss_history: list[float] = field(default_factory=list)
     # train.budget.eval_every: the held-out evaluations during training (``Curve.history``).
     eval_history: list[dict[str, float]] = field(default_factory=list)

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from harness.compat.internals import disable_current_modes
 from harness.contract import OPTIMIZERS
 from harness.strategies.settings import OptimizerSettings
+from harness.workloads.libraries import import_library
 
 
 def build_optimizer(
@@ -69,17 +71,11 @@ def adamw_8bit(
     allocated below the dispatcher, where the tracker cannot see them anyway (on CUDA the
     allocator's own counters still do).
     """
-    try:
-        from torchao.optim import AdamW8bit
-    except ImportError as error:
-        raise RuntimeError(
-            f"adam8bit needs torchao (pip install torchao), which is not importable here: {error}"
-        ) from error
-    from torch.utils._python_dispatch import _disable_current_modes
+    AdamW8bit = import_library("torchao.optim", "adam8bit", "pip install torchao").AdamW8bit
 
     class AdamW8bitUntracked(AdamW8bit):
         def step(self, closure: Any = None) -> Any:
-            with _disable_current_modes():
+            with disable_current_modes():
                 return super().step(closure)
 
     # torchao's default weight decay is 1e-2: pass the trial's own value so adam8bit differs

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from harness.meters.op_costs import ATTENTION_FORMULAS
 from harness.strategies.base import Strategy
 from harness.strategies.checkpoint import KEEP, Checkpoint, describe
 from harness.trial.prediction import Prediction
@@ -57,7 +58,8 @@ def block_order(predictor: Any, batch_size: int) -> list[int]:
     flops = [0] * len(blocks)
     seen: list[set[int]] = [set() for _ in blocks]
     current: list[int | None] = [None]
-    counter = FlopCounterMode(display=False)
+    # Grouped-query attention counted as the kernel computes it (torch 2.11's formula asserts).
+    counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FORMULAS)
     starts = [0] * len(blocks)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

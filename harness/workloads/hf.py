@@ -30,6 +30,7 @@ from torch import nn
 
 from harness.workloads import find_file
 from harness.workloads.hf_presets import HARNESS_KNOBS
+from harness.workloads.libraries import import_library
 from harness.workloads.task import Task, Workload, count_correct
 from harness.workloads.tensors import INPUTS, TARGETS, Batch, DataInfo
 
@@ -41,12 +42,7 @@ AUTO_CLASSES = {
 
 
 def import_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as error:
-        raise RuntimeError(
-            f"model family hf needs transformers (pip install 'harness[models]'): {error}"
-        ) from None
+    transformers = import_library("transformers", "model family hf")
     transformers.logging.set_verbosity_error()
     return transformers
 

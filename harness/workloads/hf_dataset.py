@@ -25,6 +25,7 @@ import torch
 
 from harness.contract import DEFAULT_TEST_FRACTION
 from harness.workloads import find_file
+from harness.workloads.libraries import import_library
 from harness.workloads.tensors import INPUTS, TARGETS, DataInfo, SplitData, split
 from harness.workloads.text import windows
 
@@ -32,12 +33,7 @@ BYTES = "bytes"
 
 
 def _import(name: str) -> Any:
-    try:
-        return __import__(name)
-    except ImportError as error:
-        raise RuntimeError(
-            f"dataset hf_dataset needs {name} (pip install 'harness[models]'): {error}"
-        ) from None
+    return import_library(name, "dataset hf_dataset")
 
 
 def read_rows(options: dict[str, Any], search: list[str]) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from harness.workloads import find_file
+from harness.workloads.libraries import import_library
 from harness.workloads.tensors import DataInfo
 
 
@@ -37,12 +38,7 @@ def weights_args(kwargs: dict[str, Any], search: list[str]) -> dict[str, Any]:
 def build(
     data: DataInfo, name: str, python_path: list[str] | None = None, **kwargs: Any
 ) -> nn.Module:
-    try:
-        import timm
-    except ImportError as error:
-        raise RuntimeError(
-            f"model family timm needs timm (pip install 'harness[models]'): {error}"
-        ) from None
+    timm = import_library("timm", "model family timm")
     if len(data.input_shape) != 3:
         raise ValueError(f"timm models need images (C, H, W); the dataset gives {data.input_shape}")
     channels, height, width = data.input_shape

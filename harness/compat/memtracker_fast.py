@@ -1,9 +1,9 @@
 """The fast tensor-accounting engines: PyTorch's ``MemTracker`` trimmed through its private parts.
 
-Imported only by ``harness.meters.tracker``, and only after it has checked that every private
+Imported only by ``harness.compat.memtracker``, and only after it has checked that every private
 piece used here exists in the installed torch with the shape used here (``tracker.FAST``
 lists them: keep that list in step with this file). Everything below reads or overrides
-``MemTracker``'s internals; ``tracker_public`` is the same interface on its public methods.
+``MemTracker``'s internals; ``memtracker_public`` is the same interface on its public methods.
 
 What the trimming buys: after every op ``MemTracker`` also updates a peak per tracked module,
 walking every module it has seen; nothing here reads those, and on a 32-layer model that walk

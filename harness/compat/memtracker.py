@@ -4,11 +4,11 @@ The meters' trackers (``accounting.PeakTracker``, ``accounting.TotalsTracker``,
 ``timeline.TimelineTracker``) do their work through an engine asked of this module. There are
 two engines, with one interface:
 
-- **fast** (``tracker_fast``): PyTorch's ``MemTracker`` with its per-op work trimmed, through
+- **fast** (``memtracker_fast``): PyTorch's ``MemTracker`` with its per-op work trimmed, through
   its private parts (a leaner ``__torch_dispatch__``, ``_update_peak_stats``, ``_curr_mem_snap``,
   ``_in_opt``, ...), loaded without ``torch.distributed._tools``' package ``__init__`` (~1-2 s of a
   trial's start-up). Private parts change between releases without notice, so
-- **public** (``tracker_public``): ``MemTracker`` as it ships, through its public methods;
+- **public** (``memtracker_public``): ``MemTracker`` as it ships, through its public methods;
   slower, same numbers (``tests/test_tracker_adapter.py`` holds them equal, byte for byte).
 
 At first use ``choice()`` checks every private piece the fast engine relies on (``FAST``:
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from harness.meters.snapshot_keys import SNAPSHOT_KEYS, TOTAL
+from harness.compat.snapshot_keys import SNAPSHOT_KEYS, TOTAL
 
 ENV = "HARNESS_TRACKER"
 KINDS = ("auto", "fast", "public")
@@ -201,7 +201,7 @@ _INTERFACE = (
     attr(COMMON, "get_untyped_storages", "t"),
 )
 
-# Every private piece tracker_fast.py relies on (keep in step with it).
+# Every private piece memtracker_fast.py relies on (keep in step with it).
 FAST: tuple[Piece, ...] = (
     package(TOOLS),  # loaded as a namespace: its __init__ imports the inductor
     module(MEM),
@@ -238,7 +238,7 @@ FAST: tuple[Piece, ...] = (
     *_INTERFACE,
 )
 
-# What tracker_public.py uses: MemTracker's public interface, and public hooks besides.
+# What memtracker_public.py uses: MemTracker's public interface, and public hooks besides.
 PUBLIC: tuple[Piece, ...] = (
     module(MEM),
     attr(MEM, "MemTracker"),
@@ -343,9 +343,9 @@ def choose(
     else:
         gone = missing(fast)
         if not gone:
-            from harness.meters import tracker_fast
+            from harness.compat import memtracker_fast
 
-            return Choice("fast", None, tracker_fast)
+            return Choice("fast", None, memtracker_fast)
         pieces = ", ".join(map(str, gone))
         if kind == "fast":
             raise TrackerUnavailable(
@@ -363,9 +363,9 @@ def choose(
             f"tensor accounting needs PyTorch's MemTracker, and torch {version} lacks "
             f"{', '.join(map(str, gone))} (tested: torch {TESTED_TORCH})"
         )
-    from harness.meters import tracker_public
+    from harness.compat import memtracker_public
 
-    return Choice("public", why, tracker_public)
+    return Choice("public", why, memtracker_public)
 
 
 def choice(kind: str | None = None) -> Choice:

@@ -1,8 +1,8 @@
 """The fallback tensor-accounting engines: PyTorch's ``MemTracker`` as it ships, through its
 public methods only.
 
-``harness.meters.tracker`` picks these when a private piece the fast engines
-(``tracker_fast``) rely on is missing from the installed torch, or when ``HARNESS_TRACKER=public``
+``harness.compat.memtracker`` picks these when a private piece the fast engines
+(``memtracker_fast``) rely on is missing from the installed torch, or when ``HARNESS_TRACKER=public``
 asks for them. Same interface, same numbers, slower: ``MemTracker`` also keeps a peak per module
 after every op, and what ``after_op`` observers read here is a copy of its snapshot
 (``get_tracker_snapshot``), taken after every op.
@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from harness.meters.snapshot_keys import TOTAL
+from harness.compat.snapshot_keys import TOTAL
 
 
 class FrozenParameters(RuntimeError):
