@@ -5,6 +5,11 @@ down. The process leads a new session, so on a timeout (or Ctrl-C of the sweep) 
 killed, grandchildren included. Single-process trials are forked from a warm zygote that has
 already imported torch (``harness.trial.zygote``): the same isolation, without seconds of
 imports per trial.
+
+torchrun starts each rank in a session of its own, out of reach of that kill; so every trial
+carries this process's identity and its own tag in its environment (``harness.lifeline``): a
+trial exits by itself when this process is gone, and whatever a trial leaves behind, however it
+ended, is found by its tag and killed before ``launch_trial`` returns.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import lifeline
 from harness.pipes import LineReader, PipeClosed
 from harness.trial.config import (
     SNAPSHOT_FILE,
@@ -209,7 +215,9 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> TrialR
 
     ``workdir`` keeps ``config.json``, ``result.json`` and ``trial.log`` (stdout + stderr).
     A single-process trial is forked from a warm zygote (``harness.trial.zygote``) unless
-    ``HARNESS_WARM_START=0``; a multi-rank one is started by torchrun.
+    ``HARNESS_WARM_START=0``; a multi-rank one is started by torchrun. No process of the trial
+    outlives the call (``harness.lifeline``): torchrun's ranks, which its process group does
+    not hold, are found by the trial's tag and killed, on a timeout, a Ctrl-C or any ending.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     config_path, result_path, log_path = (
@@ -220,7 +228,8 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> TrialR
     config_path.write_text(config.to_json())
     for stale in (result_path, *(workdir / name for name in TRIAL_FILES)):
         stale.unlink(missing_ok=True)  # left by an earlier attempt at this trial
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **lifeline.trial_environment(workdir)}
+    lifeline.end_launched_at_exit()
     command = [sys.executable, "-m", "harness.trial", str(config_path), str(result_path)]
     ranks = config.world_size
     grouped = config.strategy.needs_process_group  # ddp:1 and fsdp:1 too
@@ -229,23 +238,26 @@ def launch_trial(config: TrialConfig, workdir: Path, timeout_s: float) -> TrialR
     started = time.monotonic()
     returncode: int | None = None
     warm = not grouped and warm_start_enabled()
-    if warm:
-        request = {
-            "config": str(config_path.resolve()),
-            "result": str(result_path.resolve()),
-            "log": str(log_path.resolve()),
-            "cwd": os.getcwd(),
-            "env": env,
-        }
-        try:
-            returncode = _run_warm(request, timeout_s)
-        except ZygoteFailed:  # reported once; this trial and the rest start fresh
-            warm = False
-            result_path.unlink(missing_ok=True)
-            started = time.monotonic()
-    if not warm:
-        returncode = _run_fresh(command, env, log_path, timeout_s)
-    wall = time.monotonic() - started
+    try:
+        if warm:
+            request = {
+                "config": str(config_path.resolve()),
+                "result": str(result_path.resolve()),
+                "log": str(log_path.resolve()),
+                "cwd": os.getcwd(),
+                "env": env,
+            }
+            try:
+                returncode = _run_warm(request, timeout_s)
+            except ZygoteFailed:  # reported once; this trial and the rest start fresh
+                warm = False
+                result_path.unlink(missing_ok=True)
+                started = time.monotonic()
+        if not warm:
+            returncode = _run_fresh(command, env, log_path, timeout_s)
+        wall = time.monotonic() - started
+    finally:  # ranks torchrun had started, or a rank still starting up: none outlives the trial
+        lifeline.end_trial(workdir)
     start = "warm" if warm else "torchrun" if grouped else "fresh"
     key = config.trial_key
     if returncode is None:

@@ -5,6 +5,9 @@ result (the traceback goes to stderr, which the launcher keeps as the trial's lo
 killed by a signal writes nothing, and the launcher records that as ``crash`` too. A multi-rank
 trial that failed (``GroupFailure``) is written by the rank that failed first, which then exits
 with an error so torchrun stops any rank still waiting in a collective; the others exit quietly.
+The process first ties itself to the sweep that launched it (``harness.lifeline.hold``: it exits
+when that sweep, or its own parent, is gone), before anything imports torch: that is why this
+module imports the trial's code (torch with it) only inside its functions.
 """
 
 from __future__ import annotations
@@ -12,38 +15,22 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import threading
-import time
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
+from harness import lifeline
 from harness.trial.config import TrialConfig
-from harness.trial.distributed import GroupFailure, Ranks
 from harness.trial.result import Status, TrialResult
+
+if TYPE_CHECKING:
+    from harness.trial.distributed import GroupFailure
 
 
 def write_result(path: Path, result: TrialResult) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(result.to_json())
     tmp.replace(path)  # atomic: the launcher never reads half a file
-
-
-def exit_with_parent(poll_s: float = 1.0) -> None:
-    """Stop when the launching sweep dies (e.g. ``kill -9``) instead of computing for no one.
-
-    The trial leads its own process session (so a timeout can kill its whole tree), which also
-    means no signal reaches it when the sweep dies; a once-a-second check of the parent does.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def end_failed_rank(failure: GroupFailure, result_path: Path) -> NoReturn:
@@ -54,6 +41,8 @@ def end_failed_rank(failure: GroupFailure, result_path: Path) -> NoReturn:
     when some rank did not report (torchrun stops the others only when a rank fails), and
     only after writing, so that it is not stopped first; the others exit 0 for the same reason.
     """
+    from harness.trial.distributed import Ranks
+
     verdict, result, ranks = failure.verdict, failure.result, Ranks.from_env()
     line = f"trial {result.trial_key}: {verdict.status} {verdict.reason}"
     if verdict.writes:
@@ -74,7 +63,9 @@ def main(argv: list[str]) -> int:
         print("usage: python -m harness.trial CONFIG.json RESULT.json", file=sys.stderr)
         return 2
     config_path, result_path = Path(argv[0]), Path(argv[1])
-    exit_with_parent()
+    lifeline.hold()  # before torch: a trial whose sweep is gone stops here, not after its imports
+    from harness.trial.distributed import GroupFailure, Ranks
+
     config = TrialConfig.from_json(config_path.read_text())
     try:
         from harness.trial.run import run_trial
