@@ -62,8 +62,9 @@ def diagnose(with_libraries: bool = True) -> dict[str, Any]:
         {
             "feature": item.feature,
             "usable": item.usable,
+            "as_expected": item.as_expected,
             "missing": [
-                {"piece": str(piece), "optional": piece.optional, "why": why}
+                {"piece": str(piece), "optional": piece.optional, "since": piece.since, "why": why}
                 for piece, why in item.missing
             ],
         }
@@ -103,11 +104,12 @@ def diagnose(with_libraries: bool = True) -> dict[str, Any]:
 
 
 def healthy(found: dict[str, Any]) -> bool:
-    """Every feature usable, tensor accounting available and torch within the declared range
-    (libraries are optional: a missing one costs only what asks for it)."""
+    """Every feature usable (but those this torch release is too old for), tensor accounting
+    available and torch within the declared range (libraries are optional: a missing one
+    costs only what asks for it)."""
     return (
         found["torch_in_range"] is not False
-        and all(item["usable"] for item in found["features"])
+        and all(item["as_expected"] for item in found["features"])
         and found["tensor_accounting"]["engine"] is not None
     )
 
@@ -120,7 +122,8 @@ def healthy(found: dict[str, Any]) -> bool:
 def doctor(fmt: str, no_libraries: bool) -> None:
     """Check what the installed torch and libraries support: every feature that needs a private
     part of PyTorch, the tensor-accounting engine, the model libraries (importable, or why not)
-    and CUDA. Exit code 1 when a feature is unusable or torch is outside the declared range."""
+    and CUDA. Exit code 1 when a feature this torch should have is unusable, or torch is outside
+    the declared range."""
     found = diagnose(with_libraries=not no_libraries)
     if fmt == "json":
         import json
@@ -151,10 +154,12 @@ def show(found: dict[str, Any]) -> None:
     console.print(f"CUDA: {build}, {devices}")
     console.print("\n[bold]Features that need private PyTorch[/] (harness/compat)")
     for item in found["features"]:
-        status = ok if item["usable"] else bad
+        status = ok if item["usable"] else "[yellow]n/a    [/]" if item["as_expected"] else bad
         console.print(f"  {status} {escape(item['feature'])}")
         for gone in item["missing"]:
             label = "absent, nothing to do" if gone["optional"] else "lacks"
+            if gone["since"]:
+                label = f"lacks (torch {gone['since']} or newer has it)"
             console.print(f"          {label}: {escape(gone['piece'])} ({escape(gone['why'])})")
     tracker = found["tensor_accounting"]
     engine = tracker["engine"]

@@ -20,7 +20,7 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +35,7 @@ FAKE_GROUP = "multi-rank predictions (torch's fake process group)"
 DTENSOR_CACHES = "DTensor's sharding caches emptied after a multi-rank prediction"
 PIPELINE_SENDS = "pp predictions holding sent tensors until waited on"
 ALLOCATOR_SNAPSHOT = "the CUDA allocator snapshot artifact (allocator.pickle)"
-CONTEXT_PARALLEL = "cp's causal load balancing switch"
+CONTEXT_PARALLEL = "cp:N (context parallelism, torch 2.9 or newer)"
 MESH_FLATTEN = "cp with data parallelism (a flattened dp x cp mesh)"
 
 
@@ -45,27 +45,54 @@ class Missing(RuntimeError):
 
 @dataclass(frozen=True)
 class Private:
-    """One private name: ``module`` (importable) and, unless empty, ``name`` (a dotted
-    attribute path in it), and the feature it enables. ``optional``: a torch without it has
-    nothing for the feature to do (a cache it does not keep), so its absence costs nothing."""
+    """One private name: ``module`` (importable; ``a|b``: where releases have kept it, tried
+    in order) and, unless empty, ``name`` (a dotted attribute path in it), and the feature it
+    enables. ``optional``: a torch without it has
+    nothing for the feature to do (a cache it does not keep), so its absence costs nothing.
+    ``since``: the first torch release that has it, where that is newer than the oldest
+    supported (the feature needs that release)."""
 
     feature: str
     module: str
     name: str = ""
     optional: bool = False
+    since: str = ""
 
     def __str__(self) -> str:
-        return f"{self.module}.{self.name}" if self.name else f"module {self.module}"
+        module = self.module.split("|")[0]
+        return f"{module}.{self.name}" if self.name else f"module {module}"
 
     def load(self) -> Any:
         """The piece itself; ``Missing`` where this torch lacks it."""
+        failure: Exception | None = None
+        for module in self.module.split("|"):
+            try:
+                owner: Any = importlib.import_module(module)
+                for part in filter(None, self.name.split(".")):
+                    owner = getattr(owner, part)
+                return owner
+            except (ImportError, AttributeError) as error:
+                failure = error
+        raise self.missing(f"{type(failure).__name__}: {failure}") from failure
+
+    def present(self) -> bool:
         try:
-            owner: Any = importlib.import_module(self.module)
-            for part in filter(None, self.name.split(".")):
-                owner = getattr(owner, part)
-        except (ImportError, AttributeError) as error:
-            raise self.missing(f"{type(error).__name__}: {error}") from error
-        return owner
+            self.load()
+        except Missing:
+            return False
+        return True
+
+    @property
+    def owner(self) -> Any:
+        """The module that holds ``name`` (the first of ``a|b`` that does)."""
+        for module in self.module.split("|"):
+            try:
+                found = importlib.import_module(module)
+            except ImportError:
+                continue
+            if hasattr(found, self.name.split(".")[0]):
+                return found
+        raise self.missing()
 
     def missing(self, detail: str = "") -> Missing:
         why = f" ({detail})" if detail else ""
@@ -76,8 +103,10 @@ PIECES: list[Private] = []
 """Every piece declared below, in order (``harness doctor`` and the tests read it)."""
 
 
-def _declare(feature: str, module: str, name: str = "", optional: bool = False) -> Private:
-    piece = Private(feature, module, name, optional)
+def _declare(
+    feature: str, module: str, name: str = "", optional: bool = False, since: str = ""
+) -> Private:
+    piece = Private(feature, module, name, optional, since)
     PIECES.append(piece)
     return piece
 
@@ -166,7 +195,10 @@ DISPATCH_KEY = _declare(CUDA_AUTOCAST, "torch._C", "DispatchKey")
 LIBRARY_DESTROY = _declare(CUDA_AUTOCAST, "torch.library", "Library._destroy")
 GRAPH_TASK_ID = _declare(BACKWARD_PASS, "torch._C", "_current_graph_task_id")
 
-OpOverload: Any = _bind(OP_OVERLOAD, _missing_class(OP_OVERLOAD))
+if TYPE_CHECKING:  # the type checker reads torch's own class
+    from torch._ops import OpOverload
+else:
+    OpOverload = _bind(OP_OVERLOAD, _missing_class(OP_OVERLOAD))
 _graph_task_id: Callable[[], int] = _bind(GRAPH_TASK_ID, _missing_function(GRAPH_TASK_ID))
 
 
@@ -228,8 +260,11 @@ SHARDING_PROP_CACHE = _declare(
 BATCH_P2P = _declare(PIPELINE_SENDS, "torch.distributed.pipelining.schedules", "_batch_p2p")
 CP_OPTIONS = _declare(
     CONTEXT_PARALLEL,
+    # torch 2.9's: 2.8 kept another context parallelism (its own module, no load balancing
+    # switch, refusing harness's gpt and HF attention), so cp needs 2.9 or newer.
     "torch.distributed.tensor.experimental._context_parallel._attention",
     "_cp_options",
+    since="2.9",
 )
 MESH_FLATTEN_METHOD = _declare(MESH_FLATTEN, "torch.distributed.device_mesh", "DeviceMesh._flatten")
 
@@ -257,7 +292,7 @@ def replaced(piece: Private, wrap: Callable[[Any], Any]) -> Iterator[bool]:
     except Missing:
         yield False
         return
-    owner = importlib.import_module(piece.module)
+    owner = piece.owner
     setattr(owner, piece.name, wrap(original))
     try:
         yield True
@@ -303,6 +338,23 @@ class Support:
     @property
     def usable(self) -> bool:
         return all(piece.optional for piece, _ in self.missing)
+
+    @property
+    def as_expected(self) -> bool:
+        """Nothing missing but optional pieces and those of a newer torch release than this
+        one: unusable features of an older supported torch are not faults."""
+        return all(piece.optional or newer_than_installed(piece.since) for piece, _ in self.missing)
+
+
+def newer_than_installed(release: str) -> bool:
+    """``release`` (``2.9``) is newer than the installed torch."""
+    if not release:
+        return False
+
+    def numbers(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+
+    return numbers(release) > numbers(TORCH_VERSION)
 
 
 def support() -> list[Support]:

@@ -17,7 +17,7 @@ arguments it passes) against the installed torch. All there: fast. One missing: 
 saying once on stderr which pieces are missing. Public unusable too (``PUBLIC``): one line
 naming the torch version and what is missing. ``HARNESS_TRACKER=public`` (or ``kind="public"``)
 forces the public engine; ``HARNESS_TRACKER=fast`` refuses to fall back (docs/measuring.md).
-Tested: torch ``TESTED_TORCH``, the Makefile's pin.
+Tested: torch ``TESTED_TORCH`` (the Makefile's pin, and .ci/torch_range's releases).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from harness.compat.snapshot_keys import SNAPSHOT_KEYS, TOTAL
 
 ENV = "HARNESS_TRACKER"
 KINDS = ("auto", "fast", "public")
-TESTED_TORCH = "2.14.1"
+TESTED_TORCH = "2.8.0, 2.14.1, 2.15.0"  # docs/compatibility.md: what CI runs
 
 TOOLS = "torch.distributed._tools"
 MEM = f"{TOOLS}.mem_tracker"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.compat.internals import cp_options
+from harness.compat.internals import CP_OPTIONS, Missing, cp_options
 from harness.strategies.base import Strategy, StrategyError, TrialContext
 from harness.strategies.mesh import require_group, submesh
 from harness.strategies.parallel import Ddp
@@ -57,6 +57,10 @@ class ContextParallel(Strategy):
         self.hf = False
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
+        try:
+            CP_OPTIONS.load()
+        except Missing as missing:  # torch 2.8: another context parallelism, refused here
+            raise StrategyError(str(missing)) from None
         require_group("cp")
         hf = ctx.family == "hf"
         if hf and not getattr(ctx.task, "causal", False):

@@ -94,7 +94,7 @@ class Lora(Strategy):
         import_peft()
         if self.quantized:
             with contextlib.suppress(ImportError):  # quantize_blocks says what is missing
-                import torchao.quantization  # noqa: F401
+                import torchao.dtypes  # noqa: F401
 
     def prepare_model(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         peft = import_peft()
@@ -159,7 +159,13 @@ def quantize_blocks(model: nn.Module) -> dict[str, Any]:
     A weight whose size is not a multiple of the 64-value block stays in the base dtype; a
     small one whose block count is not a multiple of 256 gets a smaller second-level block.
     """
-    to_nf4 = import_library("torchao.quantization", "strategy qlora", "pip install torchao").to_nf4
+    # torchao.dtypes keeps to_nf4 in every torchao the declared range allows (0.13-0.17);
+    # 0.18 moved it to torchao.quantization.
+    torchao = import_library("torchao.dtypes", "strategy qlora", "pip install torchao")
+    to_nf4 = getattr(torchao, "to_nf4", None)
+    if to_nf4 is None:
+        to_nf4 = import_library("torchao.quantization", "strategy qlora", "pip install torchao")
+        to_nf4 = to_nf4.to_nf4
     quantized = kept = 0
     for module in frozen_block_linears(model):
         weight = module.weight
