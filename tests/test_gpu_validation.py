@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from harness.compat.internals import newer_than_installed
 from harness.cuda.cards import CATALOGUE
 from harness.trial.estimate import estimate_peak
 from tests.conftest import REPO
@@ -40,7 +41,16 @@ def card_trial(label: str) -> tuple[object, dict[str, float]]:
         # Activation offload was predicted at 1.8-2.3x from a CPU: the host copies of CPU
         # tensors standing in for CUDA ones were counted as device memory.
         ("gpt/fp32/offload_activations", 0.93, 1.0),
-        ("llama/bf16/offload_activations", 0.97, 1.03),
+        pytest.param(
+            "llama/bf16/offload_activations",
+            0.97,
+            1.03,
+            marks=pytest.mark.xfail(
+                newer_than_installed("2.9"),
+                reason="torch 2.8 predicts 1.10x here (docs/compatibility.md)",
+                strict=True,
+            ),
+        ),
         # Grouped-query attention (enable_gqa) and frozen LoRA bases: crashed on torch 2.11.
         ("llama/bf16/lora:8", 0.98, 1.02),
     ],
