@@ -181,7 +181,7 @@ def test_a_missing_piece_falls_back_to_memtracker_as_shipped_and_says_which():
     assert chosen.why == (
         f"torch {torch.__version__} lacks "
         "torch.distributed._tools.mem_tracker.MemTracker._no_such_method, which the fast tracker "
-        "relies on (tested: torch 2.14.1)"
+        "relies on (tested: torch 2.8.0, 2.14.1, 2.15.0)"
     )
 
 
@@ -191,7 +191,7 @@ def test_without_a_usable_memtracker_one_line_names_the_version_and_what_is_miss
     assert str(error.value) == (
         f"tensor accounting needs PyTorch's MemTracker, and torch {torch.__version__} lacks "
         "module torch.no_such_module, "
-        "torch.distributed._tools.mem_tracker.MemTracker._no_such_method (tested: torch 2.14.1)"
+        "torch.distributed._tools.mem_tracker.MemTracker._no_such_method (tested: torch 2.8.0, 2.14.1, 2.15.0)"
     )
     with pytest.raises(TrackerUnavailable, match=r"^kind=fast, but torch .* lacks what the fast"):
         choose("fast", fast=WRONG)
