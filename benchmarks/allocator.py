@@ -34,7 +34,7 @@ from harness.workloads.tensors import batches
 CPU = torch.device("cpu")
 # Per experiment, which trials: single-process strategies the window measures eagerly.
 EXPERIMENTS = {
-    "experiments/default.yaml": lambda c: True,
+    "experiments/digits_widths.yaml": lambda c: True,
     "experiments/gpt_memory.yaml": lambda c: (
         c.batch_size == 32 and c.strategy_text in ("none", "checkpoint", "accumulate:4")
     ),

@@ -1,6 +1,6 @@
 """How good is ``harness estimate``? Issue 4's targets, measured side by side.
 
-1. Every trial of ``experiments/default.yaml`` and ``experiments/gpt_memory.yaml`` runs for
+1. Every trial of ``experiments/digits_widths.yaml`` and ``experiments/gpt_memory.yaml`` runs for
    real on this machine with the spec's own warm-up and memory window (the peak does not depend
    on how long training goes on after it, so the budget is cut to the measured steps), and its
    in-trial prediction is compared with the measured ``peak_allocated_bytes``: the worst
@@ -36,7 +36,7 @@ from harness.trial.config import Budget, TrialConfig
 from harness.units import format_bytes
 
 SPECS = (
-    "experiments/default.yaml",
+    "experiments/digits_widths.yaml",
     "experiments/gpt_memory.yaml",
     "experiments/hf_llama.yaml",
     "experiments/timm_vision.yaml",

@@ -1,7 +1,7 @@
 """Is the predicted step time right on this machine? (issue 31: validation on the CPU)
 
 Sweeps the shipped experiments' own grids on this CPU, shortened to their measurement windows
-(``BUDGET_STEPS`` steps, a 1 % held-out split): the digits CNNs (``default.yaml``: 3 widths x 2
+(``BUDGET_STEPS`` steps, a 1 % held-out split): the digits CNNs (``digits_widths.yaml``: 3 widths x 2
 batches x fp32/bf16), the 8-block GPTs (``gpt_memory.yaml`` without ``fsdp:2``, whose two ranks
 would share these two cores: 2 sizes x 2 batches x 2 dtypes x none/checkpoint/accumulate/
 adafactor) and the small Llama (``finetune_small.yaml``: none, checkpoint, sac, LoRA, QLoRA, with
@@ -40,7 +40,7 @@ SPEARMAN_TARGET = 0.85
 MEDIAN_TARGET = 0.30
 # experiment file -> strategies left out (and why: the docstring)
 SPECS: dict[str, tuple[str, ...]] = {
-    "default.yaml": (),
+    "digits_widths.yaml": (),
     "gpt_memory.yaml": ("fsdp:2",),
     "finetune_small.yaml": (),
 }

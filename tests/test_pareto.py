@@ -13,6 +13,7 @@ from harness.analyse import plots, style, timelines
 from harness.analyse.noise import NOISY_MARK
 from harness.analyse.pareto import (
     analyse,
+    best_per_budget,
     dominated_share,
     gives_up,
     hypervolume,
@@ -125,6 +126,24 @@ def test_recommend_best_within_budget_and_what_the_runner_up_gives_up():
     assert recommend(frame, budget=5).empty
     text = gives_up(ranked.iloc[0], frame.iloc[0], "throughput")
     assert text.startswith("throughput -66.7%, peak memory -33.3%")
+
+
+def test_best_per_budget_names_where_the_best_strategy_changes():
+    # Each strategy's smallest peak is a budget tried; a row only where the best changes.
+    frame = trials(
+        [(10, 100.0), (12, 90.0), (30, 300.0), (40, 250.0), (60, 310.0)],
+        columns=("peak_allocated_bytes", "throughput"),
+    )
+    frame["strategy"] = ["accumulate:4", "accumulate:4", "checkpoint", "checkpoint", "none"]
+    frame["accuracy"] = 0.9
+    picks = best_per_budget(frame)
+    # 10 B: accumulate's 100/s; 30 B: checkpoint's 300/s; 60 B: none's 310/s is within
+    # noise of 300/s (a tie, then accuracy ties, then less memory): checkpoint stays.
+    assert picks["budget"].tolist() == [10.0, 30.0]
+    assert picks["strategy"].tolist() == ["accumulate:4", "checkpoint"]
+    frame.loc[4, "throughput"] = 600.0  # now clearly faster: a third budget's answer
+    assert best_per_budget(frame)["strategy"].tolist() == ["accumulate:4", "checkpoint", "none"]
+    assert best_per_budget(frame.assign(status="oom")).empty
 
 
 def test_objectives_parse_and_complain():

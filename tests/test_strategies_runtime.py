@@ -88,6 +88,29 @@ def test_optimizer_strategies_keep_lr_weight_decay_and_foreach():
         assert strategy.optimizer(trial_settings, ctx) == expected
 
 
+def test_an_optimizer_strategy_takes_its_own_learning_rate():
+    # sgd_momentum:0.05 trains at 0.05 whatever train.optimizer.lr says; the trial reports
+    # what trained (the recorded lr and momentum params), and the spec checks the argument.
+    trial_settings = OptimizerSettings(name="adam", lr=1e-3, weight_decay=0.1)
+    ctx = TrialContext(torch.device("cpu"), "fp32", "mlp", None, 8)
+    swapped = SgdMomentum("0.05").optimizer(trial_settings, ctx)
+    assert (swapped.name, swapped.lr, swapped.momentum, swapped.weight_decay) == (
+        "sgd",
+        0.05,
+        0.9,
+        0.1,
+    )
+    config = trial_configs(parse_spec(spec("sgd_momentum:5e-2")))[0]
+    result = run_trial(config)
+    assert result.status == "ok", result.failure_reason
+    assert (result.info["lr"], result.info["momentum"]) == (0.05, 0.9)
+    assert config.strategy_text == "sgd_momentum:5e-2"
+    with pytest.raises(SpecError, match="learning rate must be positive"):
+        parse_spec(spec("adafactor:-1"))
+    with pytest.raises(SpecError, match="learning rate must be a number"):
+        parse_spec(spec("adamw:fast"))
+
+
 def test_adafactor_builds_with_explicit_foreach():
     params = [torch.nn.Parameter(torch.ones(4, 4))]
     optimizer = build_optimizer(OptimizerSettings("adafactor", lr=0.01, foreach=True), params)

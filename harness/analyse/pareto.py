@@ -311,6 +311,27 @@ def recommend(
     return rank_fits(frame, budget, objective).trials.head(top)
 
 
+def best_per_budget(frame: pd.DataFrame) -> pd.DataFrame:
+    """The sweep's answer to "which strategy for my memory?": for each budget at which the
+    best measured configuration changes, that configuration (``rank_fits``: the fastest
+    within noise, then accuracy, then less memory), with the budget in column ``budget``.
+    The budgets tried are each strategy's smallest measured peak among the ``ok`` trials:
+    from the least memory any strategy needs up to the point where a larger budget buys
+    nothing more. Empty without an ``ok`` trial that has a peak and a throughput."""
+    ok = frame[frame["status"].eq("ok") & frame[MEMORY].notna() & frame["throughput"].notna()]
+    if ok.empty:
+        return ok.assign(budget=pd.Series(dtype=float))
+    chosen: list[Any] = []  # row labels of ok
+    budgets: list[float] = []
+    for budget in sorted(set(ok.groupby("strategy")[MEMORY].min())):
+        ranked = rank_fits(ok, budget).trials
+        if ranked.empty or (chosen and ranked.index[0] == chosen[-1]):
+            continue
+        chosen.append(ranked.index[0])
+        budgets.append(float(budget))
+    return ok.loc[chosen].assign(budget=budgets)
+
+
 def gives_up(best: pd.Series, runner_up: pd.Series, objective: str, tied: bool = False) -> str:
     """What choosing the runner-up instead of the best costs and saves, in words. ``tied``:
     their throughputs are within noise, so the change in it is no measured difference, and the

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 from rich.console import Console
@@ -18,6 +18,9 @@ from harness.record.stores import redact
 from harness.spec import Spec, SpecError, SweepPlan, load_spec, points
 from harness.spec.schema import LAUNCHERS
 from harness.sweep.launcher import LaunchOutcome, LaunchRequest
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 class RetryChoice(click.Choice):
@@ -339,6 +342,39 @@ def worker(spec_path: Path, storage: str | None, tracking_uri: str | None) -> No
         stopped(None if managed else console, stop, "start the worker again to go on")
 
 
+def print_per_budget(console: Console, frame: pd.DataFrame) -> None:
+    """The best configuration for each memory budget the trials span, one line each: where the
+    best changes as memory grows (``analyse.pareto.best_per_budget``)."""
+    from harness.analyse.pareto import best_per_budget
+    from harness.units import format_bytes
+
+    picks = best_per_budget(frame)
+    if picks.empty:
+        return
+    within = [f"<= {format_bytes(b, short=True)}" for b in picks["budget"]]
+    picks = picks.assign(**{"memory budget": within})
+    columns = [
+        "memory budget",
+        *AXES,
+        "trial_key",
+        "peak_allocated_bytes",
+        "throughput",
+        "accuracy",
+    ]
+    console.print(
+        table_text(
+            picks,
+            columns,
+            HEADINGS,
+            title="Best strategy per memory budget: the fastest within noise, then the most "
+            "accurate, whose measured peak fits (another budget: harness recommend --budget SIZE)",
+        ),
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+
+
 def print_summary(
     console: Console, experiment: str, tracking_uri: str, parent_run_id: str
 ) -> dict[str, int]:
@@ -373,6 +409,7 @@ def print_summary(
         footnote = noise_footnote(ok)
         if footnote:
             console.print(footnote, highlight=False, markup=False, soft_wrap=True)
+        print_per_budget(console, frame)
     from harness.record.tracking import ui_hint
 
     console.print(

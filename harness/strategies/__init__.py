@@ -70,6 +70,10 @@ def _info(name: str, doc: str, module: str, cls: str, **kw: Any) -> StrategyInfo
     return StrategyInfo(name, doc, f"harness.strategies.{module}:{cls}", **kw)
 
 
+# An optimizer swap's own learning rate (``sgd_momentum:0.05``): what suits Adam rarely suits
+# SGD, so a grid comparing them gives each its own; left out, the spec's train.optimizer.lr.
+OPTIMIZER_LR: dict[str, Any] = {"arg": "learning rate", "arg_type": float, "arg_optional": True}
+
 # Strategies that replace a block's Linear layers or their weights: a tensor-parallel plan
 # (DTensor weights) and a pipeline stage's split cannot take them.
 PARAMETER_REWRITERS = ("lora", "qlora", "compile", "quantize_int8", "prune", "prune_structured")
@@ -200,6 +204,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "optimizers",
             "Sgd",
             group="optimizer",
+            **OPTIMIZER_LR,
         ),
         _info(
             "sgd_momentum",
@@ -207,6 +212,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "optimizers",
             "SgdMomentum",
             group="optimizer",
+            **OPTIMIZER_LR,
         ),
         _info(
             "adamw",
@@ -214,6 +220,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "optimizers",
             "AdamW",
             group="optimizer",
+            **OPTIMIZER_LR,
         ),
         _info(
             "adafactor",
@@ -222,6 +229,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "optimizers",
             "Adafactor",
             group="optimizer",
+            **OPTIMIZER_LR,
         ),
         _info(
             "adam8bit",
@@ -231,6 +239,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "optimizers",
             "Adam8bit",
             group="optimizer",
+            **OPTIMIZER_LR,
             unpredictable="its step is compiled code, which cannot run on fake tensors",
         ),
         _info(

@@ -1,4 +1,5 @@
-"""Optimizer strategies: swap the trial's optimizer, keeping its lr, weight decay and foreach.
+"""Optimizer strategies: swap the trial's optimizer, keeping its weight decay and foreach, and
+its lr unless the strategy's argument gives one (``sgd_momentum:0.05``).
 
 The optimizer's persistent state is a fixed number of bytes per parameter (fp32): plain SGD 0,
 SGD with momentum 4, AdamW 8, Adafactor only a row and a column vector per weight matrix,
@@ -13,13 +14,15 @@ from harness.strategies.settings import OptimizerSettings
 
 
 class OptimizerStrategy(Strategy):
-    """Replaces the optimizer with ``optimizer_name`` (and ``momentum`` for SGD)."""
+    """Replaces the optimizer with ``optimizer_name`` (and ``momentum`` for SGD), at the
+    argument's learning rate when one is given."""
 
     optimizer_name = "adam"
     momentum: float | None = None
 
     def optimizer(self, settings: OptimizerSettings, ctx: TrialContext) -> OptimizerSettings:
-        return settings.swapped(self.optimizer_name, self.momentum)
+        lr = float(self.arg) if self.arg else None
+        return settings.swapped(self.optimizer_name, self.momentum, lr)
 
 
 class Sgd(OptimizerStrategy):

@@ -26,11 +26,16 @@ class OptimizerSettings:
     # predictions) hold the same temporaries.
     foreach: bool = False
 
-    def swapped(self, name: str, momentum: float | None = None) -> OptimizerSettings:
-        """Another optimizer with this one's lr, weight decay and foreach (``momentum``: for SGD;
-        otherwise the default)."""
+    def swapped(
+        self, name: str, momentum: float | None = None, lr: float | None = None
+    ) -> OptimizerSettings:
+        """Another optimizer with this one's weight decay and foreach, and its lr unless ``lr``
+        is given (``momentum``: for SGD; otherwise the default)."""
         return replace(
-            self, name=name, momentum=DEFAULT_OPTIMIZER.momentum if momentum is None else momentum
+            self,
+            name=name,
+            lr=self.lr if lr is None else lr,
+            momentum=DEFAULT_OPTIMIZER.momentum if momentum is None else momentum,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -186,7 +186,10 @@ def build_setup(
     info = {
         **workload.notes,
         **context.notes,
+        # What trained, which an optimizer strategy may have changed (``sgd_momentum:0.05``).
         "optimizer": optimizer_settings.name,
+        "lr": optimizer_settings.lr,
+        "momentum": optimizer_settings.momentum,
         "throughput_unit": "tokens/s" if tokens > 1 else "samples/s",
         "world_size": ranks.size,
     }
