@@ -219,7 +219,7 @@ def test_validate_cli_exits_2_with_one_line_and_no_traceback(tmp_path, base_spec
 def test_validate_cli_accepts_good_specs(tmp_path):
     done = run_cli("validate", str(REPO / "experiments" / "default.yaml"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "ok (12 trials" in done.stdout
+    assert "ok (16 trials" in done.stdout
 
 
 def test_sweep_with_bad_spec_runs_and_records_nothing(tmp_path, base_spec):
