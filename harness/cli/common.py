@@ -562,3 +562,97 @@ def prediction_target(spec: Any, device: str) -> str:
     if target == "auto":
         target = "cuda" if spec.card else local_device()
     return target
+
+
+# The options that shape a --model spec, by the name the command receives them under.
+MODEL_FLAGS = {
+    "seq_len": "--seq-len",
+    "strategies": "--strategies",
+    "batch_text": "--batch",
+    "dtype": "--dtype",
+}
+
+
+def model_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--model NAME`` and its companions, for a question asked without a spec file
+    (``harness.spec.oneshot``): the command gets the written spec as ``spec_path``. Exactly
+    one of SPEC and ``--model``; ``--model`` needs the card it asks about."""
+    import functools
+
+    @functools.wraps(command)
+    def resolved(**kwargs: Any) -> Any:
+        model = kwargs.pop("model")
+        given = {key: kwargs.pop(key) for key in MODEL_FLAGS}
+        spec_path = kwargs.get("spec_path")
+        if model is None:
+            unused = [MODEL_FLAGS[key] for key, value in given.items() if value]
+            if spec_path is None:
+                raise click.UsageError("give a SPEC file or --model NAME (e.g. llama-3.1-8b)")
+            if unused:
+                raise click.UsageError(f"{', '.join(unused)}: only with --model (the spec says it)")
+            return command(**kwargs)
+        if spec_path is not None:
+            raise click.UsageError(f"give a SPEC file or --model, not both ({spec_path}, {model})")
+        card = kwargs.get("card") or kwargs.get("cards")
+        if not card:
+            raise click.UsageError("--model needs --card NAME: the card to plan for")
+        kwargs["spec_path"] = oneshot_path(model, given, str(card).split(",")[0].strip())
+        return command(**kwargs)
+
+    options = [
+        click.option(
+            "--model",
+            default=None,
+            help="Ask without a spec file: an hf preset (llama-3.1-8b, qwen2.5-7b, ...), a "
+            "folder with a config.json, or a hub id ORG/NAME (transformers' local cache); the "
+            "spec written for it is kept in results/specs/.",
+        ),
+        positive_int_option("--seq-len", help="With --model: tokens per sample (2048)."),
+        click.option(
+            "--strategies",
+            default=None,
+            help="With --model: strategies to compare, comma-separated, a combination joined "
+            "by + (default none,checkpoint,lora:16,lora:16+checkpoint,qlora:16,"
+            "qlora:16+checkpoint).",
+        ),
+        click.option(
+            "--batch", "batch_text", default=None, help="With --model: batch sizes (1,2,4,8)."
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(("bf16", "fp16", "fp32")),
+            default=None,
+            help="With --model: the dtype axis (bf16).",
+        ),
+    ]
+    for option in reversed(options):
+        resolved = option(resolved)
+    return resolved
+
+
+def oneshot_path(model: str, given: Mapping[str, Any], card: str) -> Path:
+    """The spec ``--model`` stands for, written under results/specs/ (said on stderr)."""
+    from harness.spec.oneshot import oneshot_spec, write_oneshot
+
+    batches = None
+    if given.get("batch_text"):
+        try:
+            batches = [int(part) for part in str(given["batch_text"]).split(",") if part.strip()]
+        except ValueError:
+            raise click.BadParameter(
+                f"{given['batch_text']!r}: whole numbers, comma-separated", param_hint="--batch"
+            ) from None
+    try:
+        spec = oneshot_spec(
+            model,
+            seq_len=given.get("seq_len"),
+            strategies=given.get("strategies"),
+            batch_sizes=batches,
+            dtype=given.get("dtype") or "bf16",
+            card=card,
+        )
+        path = write_oneshot(spec)
+    except SpecError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"spec for --model {model}: {path} (edit it and pass it as SPEC for more)", err=True)
+    return path

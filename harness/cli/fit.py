@@ -15,6 +15,7 @@ from harness.cli.common import (
     emit,
     format_option,
     make_console,
+    model_options,
     positive_int_option,
     prediction_target,
     print_table,
@@ -58,7 +59,9 @@ def cell(row: Any, axis: str) -> str:
 
 
 @click.command()
-@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument(
+    "spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False, path_type=Path)
+)
 @click.option(
     "--budget",
     "budget_text",
@@ -91,6 +94,7 @@ def cell(row: Any, axis: str) -> str:
     "one per CPU core; each holds one fake model, ~1 GB for an 8B one).",
 )
 @card_options
+@model_options
 def fit(
     spec_path: Path,
     budget_text: str | None,

@@ -12,6 +12,7 @@ from harness.cli.common import (
     cards_file_option,
     emit,
     format_option,
+    model_options,
     prediction_target,
     show_recomputation,
 )
@@ -55,7 +56,9 @@ def validate(specs: tuple[Path, ...]) -> None:
 
 
 @click.command()
-@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument(
+    "spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False, path_type=Path)
+)
 @format_option
 @click.option(
     "--device",
@@ -66,6 +69,7 @@ def validate(specs: tuple[Path, ...]) -> None:
     "named or present here). CUDA is predicted from any machine, under CUDA's own rules.",
 )
 @card_options
+@model_options
 def estimate(
     spec_path: Path, fmt: str, device: str, card: str | None, cards_file: Path | None
 ) -> None:
@@ -222,7 +226,9 @@ def estimate_cell(column: str, value: Any, row: Any = None) -> str:
 
 
 @click.command()
-@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument(
+    "spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False, path_type=Path)
+)
 @click.option(
     "--card",
     "cards",
@@ -254,6 +260,7 @@ def estimate_cell(column: str, value: Any, row: Any = None) -> str:
     default=None,
     help="Where the front is drawn (PNG + HTML); default results/plan/EXPERIMENT.",
 )
+@model_options
 def plan(
     spec_path: Path,
     cards: str | None,
@@ -337,7 +344,7 @@ def show_plan(frame: Any, spec: Any, cards: list[str]) -> None:
         budget = rows["budget_bytes"].iloc[0]
         within = "" if is_missing(budget) else f" within {format_bytes(budget, short=True)}"
         cells = []
-        reasons: list[str] = []
+        reasons: dict[str, int] = {}  # one note per reason, shared by the rows it explains
         for _, row in rows.iterrows():
             line = [plan_cell(column, row[column], row) for column in columns]
             skipped = row.get("skipped")
@@ -346,8 +353,8 @@ def show_plan(frame: Any, spec: Any, cards: list[str]) -> None:
                 prediction = Prediction.from_dict(row)
                 reason = None if prediction.ok else f"not predicted: {prediction.reason}"
             if reason is not None:
-                reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {reason}")
-                line[columns.index("strategy")] += f" [{len(reasons)}]"
+                number = reasons.setdefault(f"{row['strategy']}: {reason}", len(reasons) + 1)
+                line[columns.index("strategy")] += f" [{number}]"
             cells.append(line)
         shared = ", ".join(f"{PLAN_TABLE[c]} {frame[c].iloc[0]}" for c in fixed)
         print_table(
@@ -363,8 +370,8 @@ def show_plan(frame: Any, spec: Any, cards: list[str]) -> None:
             pad_edge=False,
             collapse_padding=True,
         )
-        for reason in reasons:
-            console.print(reason, highlight=False)
+        for reason, number in reasons.items():
+            console.print(f"[{number}] {reason}", highlight=False, markup=False)
     console.print(
         "device = what the card holds (reserved + CUDA context + NCCL), fits is judged on it "
         "(on a CPU: allocated); step = one optimizer step's predicted time; MFU = model FLOPs "

@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from harness.spec import SweepPlan
+from harness.sweep.tool_progress import relay
 from harness.trial.prediction import FAILURES, SPEED_COLUMNS
 
 COLUMNS = [
@@ -61,7 +62,8 @@ class EstimateError(Exception):
 def run_trial_tool(module: str, request: dict[str, Any], what: str, processes: int = 1) -> Any:
     """``python -m MODULE IN.json OUT.json`` of the trial layer in child processes (this one
     never imports model code): one answer per config of ``request``, in its order; progress
-    lines go to our stderr as they come; a failure is ``EstimateError`` with its last line.
+    lines go to our stderr as they come, counted in the order answers come, with the time left
+    (``tool_progress``); a failure is ``EstimateError`` with its last line.
 
     ``processes`` children answer the request together (predictions are single-threaded
     Python: N cores answer in about 1/N of the time), each taking the next config no other
@@ -78,12 +80,13 @@ def run_trial_tool(module: str, request: dict[str, Any], what: str, processes: i
             errors = files.enter_context((Path(folder) / f"err{index}.txt").open("w+"))
             child = subprocess.Popen(
                 [sys.executable, "-m", module, str(given), str(answer)],
-                stdout=sys.stderr,
+                stdout=subprocess.PIPE,
                 stderr=errors,
                 text=True,
             )
             children.append((child, answer, errors))
         try:
+            relay([child for child, _, _ in children], len(request["configs"]))
             codes = [child.wait() for child, _, _ in children]
         except BaseException:  # Ctrl-C: no prediction outlives the command
             for child, _, _ in children:

@@ -15,7 +15,7 @@ equal).
 IN: ``{"device": "cuda"|"cpu", "configs": [TrialConfig dicts], "groups": [{"batches": {card:
 [batch sizes]}}], "cards": {name: Card dict}, "budgets": {name: bytes}}``, one group per config
 (a CPU group's only card is ``cpu``); OUT: per config, ``{"rows": [estimate rows, each with its
-card and batch size]}``.
+card and batch size], "traces": [the cards each trace served]}``.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def plan_group(
                 else:
                     predicted(CPU_CARD, batch, predictor.predict(batch))
     pending = [cards[name] for name in wanted if name != CPU_CARD]
+    traces: list[list[str]] = []  # the cards each trace served, in the order traced
     strategies = config.strategy.build()
     predictor: Predictor | None = None
     try:
@@ -113,13 +114,20 @@ def plan_group(
                     found.pop((card, batch), None)
                 over.pop(card, None)
             pending = [card for card in pending if card.name in missed]
-            traced = len(done)
-            print(f"  traced once for {traced} card{'s' * (traced != 1)}: "
-                  f"{', '.join(card.name for card in done)}", flush=True)  # fmt: skip
+            traces.append([card.name for card in done])
     finally:
         if predictor is not None:
             predictor.close()
-    return {"rows": rows_of(config, wanted, cards, budgets, found, over, as_cuda)}
+    return {
+        "rows": rows_of(config, wanted, cards, budgets, found, over, as_cuda),
+        "traces": traces,
+        "progress_note": "; ".join(traced_note(names) for names in traces),
+    }
+
+
+def traced_note(names: list[str]) -> str:
+    """``traced once for 2 cards: rtx-4090, a100-80gb``: which cards one trace served."""
+    return f"traced once for {len(names)} card{'s' * (len(names) != 1)}: {', '.join(names)}"
 
 
 def point_of(

@@ -53,9 +53,10 @@ def serve(argv: list[str], answer: Answer, verb: str, seconds_key: str, label: s
         found[seconds_key] = time.perf_counter() - started
         answers[index] = found
         shown = label.format(config=config)
+        note = found.pop("progress_note", "")  # what the answer adds to its line, if anything
         print(
             f"{verb} {index + 1}/{len(configs)}: {config.model_size} {shown}{config.dtype} "
-            f"{config.strategy_text} ({found[seconds_key]:.1f} s)",
+            f"{config.strategy_text}{', ' + note if note else ''} ({found[seconds_key]:.1f} s)",
             flush=True,
         )
     Path(argv[1]).write_text(json.dumps(answers))
