@@ -1,9 +1,12 @@
 # One command each on a fresh machine: `make sweep`, `make test`. The virtualenv is created and
 # the project installed on first use (a stamp file records it; pyproject.toml changes re-install).
+# Two stamps: what running sweeps needs (torch, the project, the model libraries), and what
+# developing it needs on top (tests, lints, the cluster launchers' packages: ~0.5 GB more).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 SPEC   ?= experiments/default.yaml
 # torch/torchvision pinned here (not in pyproject) to the releases this machine serves from disk,
 # the only ones tested. Another torch (a GPU's CUDA build) installs instead, untested: where it
@@ -20,16 +23,28 @@ FORMAT ?= table
 # a trial process starting and stores answering, so two overlap well even on two cores.
 TEST_WORKERS ?= 2
 
-.PHONY: install browser sweep base-model finetune results test test-fast bench gpu-check lint ui clean
+.PHONY: install install-dev browser sweep base-model finetune results test test-fast bench gpu-check lint ui clean
 
 install: $(STAMP)
 
+install-dev: $(DEV_STAMP)
+
 $(STAMP): pyproject.toml
+	@if [ -z "$(TORCH_INDEX)" ] && ! command -v nvidia-smi >/dev/null; then \
+		echo "note: no NVIDIA driver here; PyPI's torch is its CUDA build (~5.3 GB of the venv):" \
+			"where PyTorch's own index is reachable," \
+			"make install TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build" \
+			"of the same release (~2.5 GB in all)"; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PINS)
-	$(BIN)/python -m pip install --quiet -e '.[dev,models,slurm,ray]'
+	$(BIN)/python -m pip install --quiet -e '.[models]'
 	touch $(STAMP)
+
+# Tests, lints, benchmarks: the dev tools and both cluster launchers' packages too.
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,models,slurm,ray]'
+	touch $(DEV_STAMP)
 
 sweep: $(STAMP)
 	$(BIN)/harness sweep $(SPEC)
@@ -56,13 +71,13 @@ browser:
 			chromium chromium-driver >/dev/null; \
 	else echo "note: no chromium/chromedriver and no root apt-get: the browser test will skip"; fi
 
-test: $(STAMP) browser
+test: $(DEV_STAMP) browser
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-test-fast: $(STAMP)
+test-fast: $(DEV_STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks
 
 # Trials through the trial layer on this machine's GPU (a reduced CPU set where there is none);
@@ -70,7 +85,7 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	PYTHON=$(abspath $(BIN))/python bash scripts/gpu_check.sh results/gpu-check
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check harness tests benchmarks scripts
 	$(BIN)/ruff format --check harness tests benchmarks scripts
 	$(BIN)/lint-imports
