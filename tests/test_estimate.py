@@ -145,10 +145,11 @@ def test_several_processes_answer_one_request_each_config_once(capfd):
         assert (
             answer["predicted_peak_bytes"] == estimate_peak(config, torch.device("cpu")).peak_bytes
         )
-    progress = [line for line in capfd.readouterr().err.splitlines() if "estimated" in line]
-    assert sorted(line.split(":")[0] for line in progress) == sorted(
-        f"estimated {n}/6" for n in range(1, 7)
-    ), progress  # one line per config: none answered twice
+    # One line per config, counted in the order answers came: none answered twice.
+    progress = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == [f"[{n}/6" for n in range(1, 7)], progress
+    answered = {line.split("] ")[1].rsplit(": ", 1)[0] for line in progress}
+    assert len(answered) == 6, progress
 
 
 def faulty_spec(tmp_path, mode):
