@@ -132,7 +132,17 @@ def test_a_hung_ddp_trial_leaves_no_rank_behind_on_a_busy_machine(tmp_path, cpu_
         f"timeout {timeout_s}s: {len(ranks)} ranks ({seen}); launch_trial returned "
         f"{returned_s:.2f}s in, no rank left {gone_s:.2f}s later"
     )
-    assert not [pid for pid in ranks if psutil.pid_exists(pid) and _alive(pid)]
+    # A killed rank may still be tearing down (its memory and environ already gone, so the tag
+    # scan above misses it): the issue's bound is that none is left within 10 s.
+    assert not _still_alive(ranks, within_s=10.0)
+
+
+def _still_alive(pids: set[int], within_s: float) -> list[int]:
+    """The ``pids`` still alive (not zombies) after waiting up to ``within_s`` for them to go."""
+    deadline = time.monotonic() + within_s
+    while (left := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def _alive(pid: int) -> bool:
