@@ -158,8 +158,63 @@ def test_pareto_over_every_sweep_draws_a_front_per_sweep(two_sweeps):
     folder, _, first, second = two_sweeps
     done = run_cli("pareto", "-e", "unit", "--sweep", "all", "--no-plots", cwd=folder)
     expect_exit(done, 0)
-    assert "Per sweep_run_id: hypervolume" in done.stdout
+    assert "Per sweep: hypervolume" in done.stdout
     assert first[:8] in done.stdout and second[:8] in done.stdout
+
+
+@pytest.mark.slow
+def test_sweeps_lists_both_sweeps_and_compare_takes_what_it_prints(two_sweeps):
+    """Two sweeps of one experiment read apart: ``harness sweeps`` lists each (short id, start,
+    trials), ``compare`` takes its selectors, ``--sweep`` its short ids, ``results --sweep all``
+    has a sweep column, and each trial's MLflow run name carries its sweep's short id."""
+    folder, frame, first, second = two_sweeps
+    listed = run_cli("sweeps", "--format", "json", cwd=folder)
+    expect_exit(listed, 0)
+    rows = json.loads(listed.stdout)
+    assert [row["sweep_run_id"] for row in rows] == [first, second]  # oldest first
+    assert [row["selector"] for row in rows] == [f"unit@{first[:8]}", f"unit@{second[:8]}"]
+    per_sweep = frame.groupby("sweep_run_id").size()
+    assert [row["trials"] for row in rows] == [per_sweep[first], per_sweep[second]]
+    assert all(row["sweep"].startswith(row["sweep_run_id"][:8] + " 20") for row in rows)
+    table = run_cli("sweeps", "-e", "unit", cwd=folder)
+    expect_exit(table, 0)
+    assert f"compare two: harness compare unit@{first[:8]} unit@{second[:8]}" in table.stdout
+
+    compared = run_cli("compare", *[row["selector"] for row in rows], "--no-plots", cwd=folder)
+    expect_exit(compared, 0)
+
+    assert frame["sweep"].nunique() == 2
+    assert set(frame["sweep"].str.split().str[0]) == {first[:8], second[:8]}
+    shown = run_cli("results", "-e", "unit", "--sweep", "all", cwd=folder)
+    expect_exit(shown, 0)
+    assert rows[0]["sweep"] in shown.stdout and rows[1]["sweep"] in shown.stdout
+    only_first = run_cli("results", "-e", "unit", "--sweep", first[:8], "--format", "json",
+                         cwd=folder)  # fmt: skip
+    expect_exit(only_first, 0)
+    assert {row["sweep_run_id"] for row in json.loads(only_first.stdout)} == {first}
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder}/results/mlflow.db")
+    for run_id, parent in frame[["run_id", "sweep_run_id"]].itertuples(index=False):
+        assert client.get_run(run_id).info.run_name.endswith(f" @{parent[:8]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["results", "-e", "unti"], "no experiment named 'unti'; did you mean unit?"),
+        (["sweeps", "-e", "unti"], "no experiment named 'unti'; did you mean unit?"),
+        (["results", "-e", "unit", "--sweep", "abc"], "give 6+ characters"),
+        (["results", "-e", "unit", "--sweep", "ffffffff"], "no sweep with run id 'ffffffff'"),
+    ],
+)
+def test_a_mistyped_experiment_or_sweep_is_one_line(two_sweeps, args, words):
+    done = run_cli(*args, cwd=two_sweeps[0])
+    assert done.returncode in (1, 2)
+    assert words in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.slow

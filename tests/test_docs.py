@@ -93,7 +93,8 @@ def test_results_columns_and_dtypes_are_the_documented_ones():
     raw = pd.DataFrame(
         [
             {
-                "run_id": "r", "sweep_run_id": "s", "start_time": 0, "trial_key": "k",
+                "run_id": "r", "sweep_run_id": "s", "sweep": "s 2026-12-05 15:22",
+                "start_time": 0, "trial_key": "k",
                 "status": "ok", "model": "mlp", "model_size": "s", "batch_size": "8",
                 "dtype": "fp32", "strategy": "none", "optimizer": "adam", "dataset": "digits",
                 "device": "cpu", "world_size": "1", "seed": "0", "budget": "steps=2",

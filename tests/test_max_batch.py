@@ -141,7 +141,8 @@ def test_a_max_sweep_trains_at_the_found_batch_records_how_and_resumes(tmp_path)
     assert run.data.metrics["peak_allocated_bytes"] <= parse_bytes(BUDGET)
     search = run.data.tags["batch_size_search"]
     assert search.startswith(f"max within 64.00 KiB: {value} (") and "predictions" in search
-    assert run.info.run_name == f"tiny bs=max:{value} fp32 none"
+    parent = run.data.tags["mlflow.parentRunId"]
+    assert run.info.run_name == f"tiny bs=max:{value} fp32 none @{parent[:8]}"
 
     again = run_cli("sweep", str(path), cwd=tmp_path)
     expect_exit(again)

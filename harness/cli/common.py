@@ -120,7 +120,8 @@ def sweep_option(command: Callable[..., Any]) -> Callable[..., Any]:
         "sweep_id",
         default="latest",
         show_default=True,
-        help="'latest', 'all', or a sweep's parent run id.",
+        help="'latest', 'all', or a sweep's parent run id (or its first 6+ characters, as "
+        "harness sweeps prints it).",
     )(command)
 
 
@@ -134,7 +135,7 @@ def open_sweep(experiment: str | None, sweep_id: str, tracking_uri: str) -> Any:
     itself is unusable: unreachable, missing, damaged, not MLflow's)."""
     from harness.record.results import load_sweep
 
-    return _read_sweep(lambda: load_sweep(experiment, tracking_uri, sweep_id))
+    return read_recorded(lambda: load_sweep(experiment, tracking_uri, sweep_id))
 
 
 def open_selected(selector: str, tracking_uri: str) -> Any:
@@ -142,10 +143,12 @@ def open_selected(selector: str, tracking_uri: str) -> Any:
     one-line error, as ``open_sweep``."""
     from harness.record.results import select_sweep
 
-    return _read_sweep(lambda: select_sweep(selector, tracking_uri))
+    return read_recorded(lambda: select_sweep(selector, tracking_uri))
 
 
-def _read_sweep(read: Callable[[], Any]) -> Any:
+def read_recorded(read: Callable[[], Any]) -> Any:
+    """What ``read`` reads from the MLflow store (a sweep, ``harness sweeps``' table), or a
+    one-line error, as ``open_sweep``."""
     from harness.record.results import ResultsError
     from harness.record.store_checks import StoreError
 

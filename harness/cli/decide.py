@@ -133,7 +133,7 @@ def pareto(
     chosen = objectives_for(sweep, objectives)
     limit = budget_option(budget) if budget else sweep.device_memory
     if sweep_id == "all" and by == "auto" and sweep.frame["sweep_run_id"].nunique() > 1:
-        by = "sweep_run_id"  # every sweep of the experiment: a front each (harness compare)
+        by = "sweep"  # every sweep of the experiment: a front each, by short id and start
     analysis = run_analysis(sweep, chosen, by, limit)
     where = f"within {format_bytes(limit)}" if limit else "no memory budget"
     console.print(

@@ -14,6 +14,7 @@ from harness.cli.plan import estimate, plan, validate
 from harness.cli.replay import replay
 from harness.cli.results import results
 from harness.cli.run import sweep, worker
+from harness.cli.sweeps import sweeps
 
 
 @click.group(cls=SpecAwareGroup)
@@ -34,6 +35,7 @@ for command in (
     sweep,
     worker,
     results,
+    sweeps,
     pareto,
     compare_command,
     recommend,

@@ -145,7 +145,10 @@ def readable_table(frame: pd.DataFrame, columns: list[str] | None, width: int | 
     ``width``: a terminal's, which the table fits (text folds or is left out, numbers are
     never cut); None: as wide as its cells."""
     frame = frame.copy()
-    columns = columns or [c for c in DEFAULT_COLUMNS if c in frame.columns or c == BREAKDOWN]
+    if columns is None:
+        columns = [c for c in DEFAULT_COLUMNS if c in frame.columns or c == BREAKDOWN]
+        if "sweep" in frame and frame["sweep"].nunique() > 1:  # --sweep all: whose row is it
+            columns.insert(0, "sweep")
     notes: dict[str, int] = {}
     if "status" in columns and "failure_reason" not in columns:
         for index, reason in frame["failure_reason"].items():

@@ -12,6 +12,7 @@ measures both); any other store, or a schema this code does not recognise, uses 
 
 from __future__ import annotations
 
+import difflib
 import json
 import tempfile
 from dataclasses import dataclass
@@ -25,9 +26,11 @@ from harness.metrics import METRICS
 from harness.record.columns import ID_COLUMNS, KNOB_PREFIX, TAGS, typed
 from harness.record.stores import quiet_mlflow
 from harness.record.tracking import (
+    CANDIDATE_TAG,
     EVAL_CURVES,
     PARENT_TAG,
     ROLE_TAG,
+    SHORT_ID,
     STUDY_TAG,
     SWEEP_ROLE,
     TRIAL_ROLE,
@@ -73,13 +76,7 @@ def _client(tracking_uri: str) -> Any:
 def find_sweep(client: Any, experiment: str | None) -> tuple[str, Any]:
     """The experiment id and the latest sweep (parent run) in it, or in any experiment."""
     if experiment is not None:
-        found = client.get_experiment_by_name(experiment)
-        if found is None:
-            names = sorted(e.name for e in client.search_experiments() if e.name != "Default")
-            raise ResultsError(
-                f"no experiment named {experiment!r} (recorded: {', '.join(names) or 'none'})"
-            )
-        experiment_ids = [found.experiment_id]
+        experiment_ids = [experiment_id_of(client, experiment)]
     else:
         experiment_ids = [e.experiment_id for e in client.search_experiments()]
     sweeps = client.search_runs(
@@ -101,17 +98,71 @@ def find_sweep(client: Any, experiment: str | None) -> tuple[str, Any]:
     return chosen.info.experiment_id, chosen
 
 
-def _sweep_by_id(client: Any, run_id: str) -> str:
-    """The experiment id of the sweep with this parent run id, or a clear error."""
+def experiment_id_of(client: Any, experiment: str) -> str:
+    """The id of the experiment named ``experiment``, or one line naming the close names and
+    every recorded one (a typo is the usual cause)."""
+    found = client.get_experiment_by_name(experiment)
+    if found is not None:
+        return found.experiment_id
+    names = sorted(e.name for e in client.search_experiments() if e.name != "Default")
+    close = difflib.get_close_matches(experiment, names, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ResultsError(
+        f"no experiment named {experiment!r}{hint} (recorded: {', '.join(names) or 'none'})"
+    )
+
+
+MIN_SWEEP_PREFIX = 6  # the fewest characters of one that name a sweep
+
+
+def sweep_runs(client: Any, experiment_ids: list[str]) -> list[Any]:
+    """The sweeps (parent runs) recorded in these experiments, oldest first: not an elected
+    worker's losing candidate (deleted, or still tagged while the election runs)."""
+    runs = all_runs(
+        client,
+        experiment_ids,
+        f"tags.{ROLE_TAG} = '{SWEEP_ROLE}'",
+        order_by=["attributes.start_time ASC"],
+    )
+    return [run for run in runs if not run.data.tags.get(CANDIDATE_TAG)]
+
+
+def sweep_label(run: Any) -> str:
+    """How tables name a sweep: its short id and when it started (UTC), ``3f9a1c2e 2026-12-05
+    15:22``; the short id is what ``--sweep`` and ``harness compare`` take."""
+    started = pd.to_datetime(run.info.start_time, unit="ms", utc=True)
+    return f"{run.info.run_id[:SHORT_ID]} {started:%Y-%m-%d %H:%M}"
+
+
+def _sweep_by_id(client: Any, run_id: str, experiment: str | None = None) -> tuple[str, str]:
+    """The experiment id and full parent run id of the sweep ``run_id`` names (the whole id, or
+    its first ``MIN_SWEEP_PREFIX``+ characters as ``harness sweeps`` prints it), or a clear
+    error."""
     from mlflow.exceptions import MlflowException
 
     try:
         run = client.get_run(run_id)
     except MlflowException:
-        raise ResultsError(f"no run with id {run_id!r} in this store") from None
+        run = None
+    if run is None:
+        experiment_ids = (
+            [experiment_id_of(client, experiment)]
+            if experiment is not None
+            else [e.experiment_id for e in client.search_experiments()]
+        )
+        matches = [
+            r for r in sweep_runs(client, experiment_ids) if r.info.run_id.startswith(run_id)
+        ]
+        if len(run_id) < MIN_SWEEP_PREFIX or len(matches) != 1:
+            several = f" ({len(matches)} sweeps start with it)" if len(matches) > 1 else ""
+            raise ResultsError(
+                f"no sweep with run id {run_id!r}{several}: give {MIN_SWEEP_PREFIX}+ characters "
+                "of one that harness sweeps lists"
+            )
+        run = matches[0]
     if run.data.tags.get(ROLE_TAG) != SWEEP_ROLE:
         raise ResultsError(f"run {run_id!r} is not a sweep (parent) run")
-    return run.info.experiment_id
+    return run.info.experiment_id, run.info.run_id
 
 
 def load(
@@ -124,7 +175,8 @@ def load(
 
     ``experiment``: an MLflow experiment (the spec's ``name``); default: the one that ran last.
     ``sweep``: ``"latest"`` (the trials of the experiment's most recent sweep), ``"all"`` (every
-    sweep of the experiment) or a sweep's parent run id. ``via``: ``"auto"`` (MLflow's tables
+    sweep of the experiment) or a sweep's parent run id (or its first 6+ characters). The
+    ``sweep`` column names each row's sweep as tables and ``harness sweeps`` do (``sweep_label``). ``via``: ``"auto"`` (MLflow's tables
     directly where the store is a database, else ``search_runs``) or ``"mlflow"`` (always
     ``search_runs``; the same frame, slower).
     """
@@ -133,12 +185,62 @@ def load(
         experiment_id, latest = find_sweep(client, experiment)
         parent = latest.info.run_id
     else:
-        experiment_id, parent = _sweep_by_id(client, sweep), sweep
+        experiment_id, parent = _sweep_by_id(client, sweep, experiment)
     wanted_parent = None if sweep == "all" else parent
     raw = None if via == "mlflow" else raw_from_database(tracking_uri, experiment_id, wanted_parent)
     if raw is None:
         raw = raw_from_search(client, experiment_id, wanted_parent)
+    labels = {run.info.run_id: sweep_label(run) for run in sweep_runs(client, [experiment_id])}
+    parents = raw["sweep_run_id"] if "sweep_run_id" in raw else pd.Series(dtype=object)
+    raw["sweep"] = parents.map(labels)
     return tidy(raw)
+
+
+SWEEP_COLUMNS = [
+    "experiment", "sweep", "selector", "status", "trials", "ok", "device_name", "started",
+    "sweep_run_id",
+]  # fmt: skip
+
+
+def list_sweeps(
+    tracking_uri: str = DEFAULT_MLFLOW_URI, experiment: str | None = None
+) -> pd.DataFrame:
+    """One row per recorded sweep (of ``experiment``, else of every experiment), oldest first:
+    its label (``sweep``: short id and start time), the ``selector`` that ``harness compare``
+    and ``--sweep`` take, its parent run's status, how many trials it recorded and how many
+    of them ended ok, the device they ran on."""
+    client = _client(tracking_uri)
+    if experiment is not None:
+        experiments = {experiment_id_of(client, experiment): experiment}
+    else:
+        experiments = {e.experiment_id: e.name for e in client.search_experiments()}
+    rows = []
+    for experiment_id, name in experiments.items():
+        parents = sweep_runs(client, [experiment_id])
+        if not parents:
+            continue
+        trials = load(name, tracking_uri, sweep="all")
+        by_parent = dict(tuple(trials.groupby("sweep_run_id"))) if len(trials) else {}
+        for run in parents:
+            own = by_parent.get(run.info.run_id, trials.iloc[0:0])
+            devices = own["device_name"].dropna().astype(str)
+            rows.append(
+                {
+                    "experiment": name,
+                    "sweep": sweep_label(run),
+                    "selector": f"{name}@{run.info.run_id[:SHORT_ID]}",
+                    "status": run.info.status,
+                    "trials": len(own),
+                    "ok": int((own["status"] == "ok").sum()),
+                    "device_name": devices.iloc[0] if len(devices) else "",
+                    "started": pd.to_datetime(run.info.start_time, unit="ms", utc=True),
+                    "sweep_run_id": run.info.run_id,
+                }
+            )
+    if not rows:
+        where = f"experiment {experiment!r}" if experiment else "this store"
+        raise ResultsError(f"no sweep recorded in {where}; run one first (make sweep)")
+    return pd.DataFrame(rows, columns=SWEEP_COLUMNS).sort_values("started", kind="stable")
 
 
 def raw_from_search(client: Any, experiment_id: str, parent: str | None) -> pd.DataFrame:
@@ -253,7 +355,7 @@ def load_sweep(
     if sweep in ("latest", "all"):
         _, parent = find_sweep(client, experiment)
     else:
-        parent = client.get_run(sweep)
+        parent = client.get_run(_sweep_by_id(client, sweep, experiment)[1])
     name = client.get_experiment(parent.info.experiment_id).name
     return Sweep(frame, name, parent.info.run_id, dict(parent.data.params), tracking_uri)
 
@@ -343,20 +445,27 @@ def find_trial(sweep: Sweep, name: str) -> pd.Series:
 
 
 def runs_named(sweep: Sweep, name: str) -> list[str]:
-    """Run ids of the sweep's experiment's trial runs whose MLflow run name is ``name``."""
+    """Run ids of the sweep's experiment's trial runs whose MLflow run name is ``name``, or
+    ``name`` and the sweep's short id after it (``s bs=8 fp32 none @3f9a1c2e``, as sweeps name
+    their trials since they carry it)."""
     if not name.strip() or "'" in name:  # no filter string quotes it; no trial is named so
         return []
     client = _client(sweep.tracking_uri)
     found = client.get_experiment_by_name(sweep.experiment)
     if found is None:
         return []
+    # LIKE reads % and _ as wildcards: the names are compared exactly below.
     runs = all_runs(
         client,
         [found.experiment_id],
-        f"attributes.run_name = '{name}' and tags.{ROLE_TAG} = '{TRIAL_ROLE}'",
+        f"attributes.run_name LIKE '{name}%' and tags.{ROLE_TAG} = '{TRIAL_ROLE}'",
         ["attributes.start_time ASC"],
     )
-    return [run.info.run_id for run in runs]
+    return [
+        run.info.run_id
+        for run in runs
+        if run.info.run_name == name or run.info.run_name.startswith(f"{name} @")
+    ]
 
 
 def select_sweep(selector: str, tracking_uri: str = DEFAULT_MLFLOW_URI) -> Sweep:

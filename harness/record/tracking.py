@@ -221,6 +221,15 @@ def all_runs(
             return runs
 
 
+SHORT_ID = 8  # characters of a sweep's parent run id that tables print and run names carry
+
+
+def trial_run_name(label: str, parent_run_id: str) -> str:
+    """A trial run's MLflow name: its grid point and its sweep's short id, so the runs of two
+    sweeps of one experiment read apart in the MLflow UI (``s bs=8 fp32 none @3f9a1c2e``)."""
+    return f"{label} @{parent_run_id[:SHORT_ID]}"
+
+
 def trials_of(parent_run_id: str, *conditions: str) -> str:
     """The filter that finds the trial runs of one sweep (and ``conditions``, ``and``-ed)."""
     parts = [f"tags.{ROLE_TAG} = '{TRIAL_ROLE}'", f"tags.`{PARENT_TAG}` = '{parent_run_id}'"]

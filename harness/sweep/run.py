@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from harness.analyse.noise import noise_reason
+from harness.record.tracking import trial_run_name
 from harness.spec import (
     Spec,
     load_spec,
@@ -162,8 +163,9 @@ def work(
                             # or finished just before it died: this one replaces it
                             tracker.discard_point(parent, config.trial_key)
                         run_id = tracker.log_trial(
-                            parent, config, result, workdir, started_ms, label
-                        )
+                            parent, config, result, workdir, started_ms,
+                            trial_run_name(label, parent),
+                        )  # fmt: skip
                         plan.tell(study, trial, spec, result, run_id)
                     numbered = "" if managed else f"[{index}/{total}] "
                     say(
