@@ -106,7 +106,7 @@ def test_results_columns_and_dtypes_are_the_documented_ones():
                 "failure_reason": "", "checkpoint_full_blocks": "2", "checkpoint_segments": "4",
                 "checkpoint_policy": "checkpoint:auto (full: 0-1; keep: 2-3)", "loss_chunks": "8",
                 "recomputation": "checkpoint:auto for 1.00 GiB: ...",
-                "pp_blocks": "0-1, 2-3", "rank_memory": "[]",
+                "pp_blocks": "0-1, 2-3", "rank_memory": "[]", "peak_phase": "optimizer",
                 "energy_counter": "absent: no GPU energy counter on cpu",
             }
         ]

@@ -19,6 +19,7 @@ from harness.analyse import plots, timelines
 from harness.analyse.compare import Comparison
 from harness.analyse.noise import NOISY_MARK, noise_reason, throughputs_tie
 from harness.analyse.pareto import MEMORY, ParetoAnalysis, rank_fits, unusable
+from harness.analyse.peak_phase import peak_reason
 from harness.analyse.style import BREAKDOWN_LABELS
 from harness.contract import AXES
 from harness.metrics import Objective, format_metric
@@ -261,6 +262,9 @@ def recommendation_section(
                 f"<p class='note'>Its throughput is flagged as noisy ({html.escape(reason)}): "
                 "rerun on a quiet machine before trusting the ranking.</p>"
             )
+        why = peak_reason(best.to_dict())
+        if why:
+            parts.append(f"<p class='note'>Its {html.escape(why)}.</p>")
         rows.append(("recommended", best))
     rows += extremes(frame)
     if rows:

@@ -25,6 +25,7 @@ from harness.analyse.pareto import (
     rank_fits,
     unusable,
 )
+from harness.analyse.peak_phase import peak_reason
 from harness.cli.common import (
     cell,
     experiment_option,
@@ -209,6 +210,9 @@ def recommend(
             soft_wrap=True,
             highlight=False,
         )
+    why = peak_reason(best.to_dict())
+    if why:
+        console.print(f"Its {why}", soft_wrap=True, highlight=False, markup=False)
 
 
 def same_tier(ranking: Ranking) -> bool:

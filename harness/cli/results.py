@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 import pandas as pd
 
+from harness.analyse.peak_phase import optimizer_peak_note
 from harness.cli.common import (
     BREAKDOWN,
     BREAKDOWN_HEADING,
@@ -39,8 +40,9 @@ DEFAULT_COLUMNS = [
     BREAKDOWN,
     "throughput",
     "accuracy",
+    "peak_phase",
 ]
-SPARE_COLUMNS = ["trial_key", BREAKDOWN]  # what a narrow terminal leaves out first
+SPARE_COLUMNS = ["peak_phase", "trial_key", BREAKDOWN]  # what a narrow terminal leaves out first
 
 
 @click.command()
@@ -161,4 +163,7 @@ def readable_table(frame: pd.DataFrame, columns: list[str] | None, width: int | 
     footnote = noise_footnote(frame) if "throughput" in columns else None
     if footnote:
         lines.append(footnote)
+    in_step = optimizer_peak_note(frame)
+    if in_step:
+        lines.append(wrap_note(in_step, width))
     return "\n".join(lines)

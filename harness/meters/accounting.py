@@ -22,6 +22,7 @@ from harness.compat.snapshot_keys import TOTAL
 
 __all__ = [
     "CUDA_BLOCK",
+    "ObservingTracker",
     "PeakTracker",
     "TotalsTracker",
     "allocated_bytes",
@@ -69,13 +70,24 @@ class PeakTracker:
 
 class ObservingTracker(PeakTracker):
     """A tracker that looks at the running snapshot after every op (``after_op``), where
-    ``MemTracker`` takes its peak: the base of ``TotalsTracker`` and the timeline's."""
+    ``MemTracker`` takes its peak: the base of ``TotalsTracker`` and the timeline's, and the
+    memory window's own, which notes the phase the peak fell in (``peak_phase``: forward,
+    backward, recompute or optimizer). Why the phase: a peak in the optimizer step is one
+    that no activation strategy can lower, and only a look at when it happens says so."""
 
     def __init__(self, device: torch.device, kind: str | None = None) -> None:
         self.observed: tracker.ObservedTracker = tracker.observed_engine(
-            self.after_op, device.type, kind
+            self._observe, device.type, kind
         )
         self.engine = self.observed
+        self.peak_total = -1
+        self.peak_phase: str | None = None
+
+    def _observe(self) -> None:
+        total = self.observed.total()
+        if total > self.peak_total:  # strictly, as MemTracker moves its own peak
+            self.peak_total, self.peak_phase = total, self.observed.phase()
+        self.after_op()
 
     def after_op(self) -> None:
         """After every tracked op; ``self.observed`` says what the snapshot holds now."""

@@ -29,7 +29,7 @@ import torch
 
 from harness.compat.internals import dump_snapshot, record_memory_history
 from harness.meters.accounting import (
-    PeakTracker,
+    ObservingTracker,
     TotalsTracker,
     fold,
     on_device,
@@ -53,9 +53,12 @@ class MemoryReading:
     mem_other_bytes: int
     peak_reserved_bytes: int | None = None
     peak_device_bytes: int | None = None
+    # When the tracked peak happened: forward, backward, recompute or optimizer (the step).
+    peak_phase: str | None = None
 
     def metrics(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items() if v is not None}
+        """The numbers (``peak_phase`` is not one)."""
+        return {k: float(v) for k, v in asdict(self).items() if v is not None and k != "peak_phase"}
 
 
 class MemoryWindow:
@@ -85,7 +88,9 @@ class MemoryWindow:
         self.timeline_tracker = TimelineTracker(device) if timeline else None
         # ``totals``: the running total after every op, kept (``TotalsTracker``; the fit search).
         self.totals_tracker = TotalsTracker(device) if totals and not timeline else None
-        self.tracker: PeakTracker = self.timeline_tracker or self.totals_tracker or PeakTracker()
+        self.tracker: ObservingTracker = (
+            self.timeline_tracker or self.totals_tracker or ObservingTracker(device)
+        )
         self.tracker.track_external(model, optimizer, *staged)
         # CUDA only: where to dump the allocator's history for PyTorch's memory viewer.
         self.allocator_snapshot = allocator_snapshot if self.allocator_counters else None
@@ -171,6 +176,7 @@ class MemoryWindow:
             **{breakdown_metric(category): int(value) for category, value in parts.items()},
             peak_reserved_bytes=None if reserved is None else int(reserved),
             peak_device_bytes=device_peak,
+            peak_phase=self.tracker.peak_phase,
         )
 
 

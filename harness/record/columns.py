@@ -44,6 +44,9 @@ TAGS: dict[str, type] = {
     "throughput_unit": str,
     "git_commit": str,
     "attempts": int,
+    # When the measured peak happened (forward, backward, recompute, optimizer): the worst
+    # rank's; what strategies can lower it depends on it (harness.analyse.peak_phase).
+    "peak_phase": str,
     # What a strategy chose or did: checkpoint:auto / sac:auto's blocks recomputed in full,
     # every checkpointed block, the plan and why; chunked_ce's chunks.
     "checkpoint_full_blocks": int,

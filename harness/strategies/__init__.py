@@ -420,6 +420,33 @@ STRATEGIES: dict[str, StrategyInfo] = {
     ]
 }
 
+# What each strategy lowers at a step's peak, by breakdown category (harness.metrics): how a
+# table says which strategies can move a peak (harness.analyse.peak_phase). A peak in the
+# optimizer step is parameters, gradients, optimizer state and the step's temporaries ("other"):
+# nothing that lowers activations alone can move it. Strategies left out lower none of the five
+# (they change speed, accuracy, reserved memory or inference only).
+LOWERS: dict[str, tuple[str, ...]] = {
+    "checkpoint": ("activation",),
+    "sac": ("activation",),
+    "accumulate": ("activation",),
+    "chunked_ce": ("activation",),
+    "fused_ce": ("activation",),
+    "offload_activations": ("activation",),
+    "cp": ("activation",),
+    "adam8bit": ("optim", "other"),
+    "adafactor": ("optim", "other"),
+    "sgd_momentum": ("optim", "other"),
+    "sgd": ("optim", "other"),
+    "bf16_params": ("param", "grad", "optim", "other"),
+    "fsdp": ("param", "grad", "optim", "other"),
+    "lora": ("grad", "optim", "other"),
+    "qlora": ("param", "grad", "optim", "other"),
+    "fsdp_offload": ("param", "grad", "optim", "other"),
+    "tp": ("param", "grad", "optim", "activation", "other"),
+    "pp": ("param", "grad", "optim", "activation", "other"),
+    "prune_structured": ("param", "grad", "optim", "activation", "other"),
+}
+
 # Names people reach for that the spec says another way.
 ALIASES = {
     "amp_bf16": "mixed precision is the dtype axis: use grid.dtype: [bf16]",

@@ -219,12 +219,15 @@ class TrainingLoop:
             )
         del staged
         assert window.reading is not None
-        own = window.reading.metrics()
+        own: dict[str, Any] = {**window.reading.metrics(), "peak_phase": window.reading.peak_phase}
         if self.measured.own_prediction is not None:
             own["predicted_peak_bytes"] = self.measured.own_prediction
         readings = setup.ranks.gather(own)
         reading = setup.ranks.worst_memory(readings)
         reading.pop("predicted_peak_bytes", None)
+        phase = reading.pop("peak_phase", None)
+        if phase:  # the worst rank's
+            self.measured.info["peak_phase"] = phase
         metrics.update(reading)
         if setup.ranks.size > 1:
             peaks = [r["peak_allocated_bytes"] for r in readings]
