@@ -40,16 +40,19 @@ def activation_only() -> list[str]:
     return [name for name, lowered in LOWERS.items() if lowered == ("activation",)]
 
 
-def peak_shares(row: Mapping[str, Any]) -> dict[str, float]:
+def peak_shares(row: Mapping[Any, Any]) -> dict[str, float]:
     """Each breakdown category's share of the peak (empty when the row has no breakdown)."""
-    parts = {c: row.get(breakdown_metric(c)) for c in BREAKDOWN_CATEGORIES}
-    if any(v is None or pd.isna(v) for v in parts.values()):
-        return {}
+    parts: dict[str, float] = {}
+    for category in BREAKDOWN_CATEGORIES:
+        value = row.get(breakdown_metric(category))
+        if value is None or pd.isna(value):
+            return {}
+        parts[category] = float(value)
     total = sum(parts.values())
     return {c: v / total for c, v in parts.items()} if total > 0 else {}
 
 
-def applicable(name: str, row: Mapping[str, Any]) -> bool:
+def applicable(name: str, row: Mapping[Any, Any]) -> bool:
     """Whether strategy ``name`` applies to the row's model and device, and is not in use."""
     info = STRATEGIES[name]
     used = {term.partition(":")[0] for term in str(row.get("strategy") or "").split("+")}
@@ -62,7 +65,7 @@ def applicable(name: str, row: Mapping[str, Any]) -> bool:
     )
 
 
-def peak_reason(row: Mapping[str, Any]) -> str | None:
+def peak_reason(row: Mapping[Any, Any]) -> str | None:
     """One line on the row's peak: its phase, what dominates it, the strategies that cannot
     lower it and those that can (applicable to its model and device, not already used); None
     when the trial recorded no phase (it ended before its memory window, or predates it)."""
