@@ -443,3 +443,42 @@ def test_validate_cli_refuses_duplicates_and_huge_integers(tmp_path, text, start
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(start.format(path=path)), done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+
+
+def hub_cache_with(folder: Path, repo_id: str) -> Path:
+    """A Hugging Face hub cache holding ``repo_id``'s config.json, laid out as huggingface_hub
+    writes it (models--ORG--NAME/refs/main naming the snapshot that holds the file)."""
+    pytest.importorskip("huggingface_hub")
+    repo = folder / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    (repo / "snapshots" / "0123abcd" / "config.json").write_text('{"model_type": "llama"}')
+    return folder
+
+
+def test_a_model_id_is_checked_offline_against_folders_and_the_hub_cache(tmp_path):
+    from harness.sweep.preflight import model_id_problem
+
+    cache = hub_cache_with(tmp_path / "hub", "some-org/tiny-llama")
+    assert model_id_problem("some-org/tiny-llama", str(cache)) is None
+    assert model_id_problem(str(tmp_path), str(cache)) is None  # a save_pretrained folder
+    missing = model_id_problem("some-org/tiny-lama", str(cache))
+    assert missing is not None and "nor in the local Hugging Face cache" in missing
+    assert str(cache) in missing and "fail offline" in missing
+    invalid = model_id_problem("no//such id", str(cache))
+    assert invalid is not None and "nor a Hugging Face repo id" in invalid
+
+
+def test_validate_warns_in_one_line_about_a_model_id_it_cannot_find_offline(tmp_path, base_spec):
+    pytest.importorskip("huggingface_hub")
+    base_spec["model"] = {
+        "family": "hf",
+        "sizes": {"x": {"model_id": "nobody/no-such-model-xyz", "seq_len": 32}},
+    }
+    base_spec["data"] = {"dataset": "text"}
+    done = run_cli("validate", str(write_spec(tmp_path, base_spec)), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr  # with the network a trial may still fetch it
+    (line,) = done.stderr.strip().splitlines()
+    assert line.endswith("fail offline")
+    assert "warning: model.sizes.x.model_id: 'nobody/no-such-model-xyz' is neither a folder" in line

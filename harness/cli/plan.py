@@ -29,7 +29,7 @@ def validate(specs: tuple[Path, ...]) -> None:
     Every file is checked: one line per problem per bad file (stderr), one ok line per good
     one (stdout); exit status 2 when any was bad."""
     from harness.spec import SpecError
-    from harness.sweep.preflight import device_problem
+    from harness.sweep.preflight import device_problem, model_id_problem
 
     bad = []
     for path in specs:
@@ -46,6 +46,10 @@ def validate(specs: tuple[Path, ...]) -> None:
             click.echo(
                 f"{path}: warning: device: {why}; `harness sweep` refuses it on this host", err=True
             )
+        for size, knobs in spec.model.sizes.items():
+            missing = model_id_problem(str(knobs["model_id"])) if "model_id" in knobs else None
+            if missing:  # with the network a trial may still fetch it: a warning, not an error
+                click.echo(f"{path}: warning: model.sizes.{size}.model_id: {missing}", err=True)
     if bad:
         if len(specs) > 1:
             click.echo(

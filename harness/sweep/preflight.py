@@ -137,3 +137,30 @@ def check_shared_stores(spec: Spec, launcher: str) -> None:
             f"({path}); the {launcher} launcher's workers run on the cluster's nodes and need a store "
             f"they all reach: {shared} on a filesystem every node mounts"
         )
+
+
+def model_id_problem(model_id: str, cache_dir: str | None = None) -> str | None:
+    """Why a trial could not read ``model_id``'s config without the network: neither a folder
+    here nor in the local Hugging Face cache (``cache_dir``; default: huggingface_hub's); None
+    when it can, or when huggingface_hub is not installed (the trial then says what is missing).
+
+    Why ask before a sweep: transformers answers an uncached id offline, or a mistyped one, with
+    "check your internet connection" from inside the first trial."""
+    if Path(model_id).is_dir():
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model_id, "config.json", cache_dir=cache_dir)
+    except ValueError as error:  # huggingface_hub's HFValidationError: not a repo id at all
+        return f"{model_id!r} is neither a folder nor a Hugging Face repo id ({error})"
+    if isinstance(found, str):
+        return None
+    return (
+        f"{model_id!r} is neither a folder nor in the local Hugging Face cache "
+        f"({cache_dir or HF_HUB_CACHE}): its trials download its config from the Hub (network "
+        "needed; a gated model also a token) and fail offline"
+    )
