@@ -126,17 +126,18 @@ TABLE_COLUMNS = {
 
 CROSS_CHECKS = ("predicted_model_state_bytes", "closed_form_model_state_bytes")
 # What a narrow terminal leaves out first (named under the table): the cross-checks, then
-# the breakdown's parts from the right; the axes, the peak figures and fits stay.
+# the breakdown's parts from the right, then MFU and throughput (half of what a user asks an
+# estimate: they go last); the axes, the peak figures, fits and the step time stay.
 SPARE_COLUMNS = (
     *CROSS_CHECKS[::-1],
     "num_params",
-    "predicted_mfu",
-    "predicted_throughput",
     "predicted_mem_other_bytes",
     "predicted_mem_activation_bytes",
     "predicted_mem_optim_bytes",
     "predicted_mem_grad_bytes",
     "predicted_mem_param_bytes",
+    "predicted_mfu",
+    "predicted_throughput",
 )
 
 
