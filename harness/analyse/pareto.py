@@ -219,7 +219,8 @@ class Ranking:
         """The one line a table or page shows when ties decided its first ``top`` trials."""
         if not self.tied_in(top):
             return None
-        by = "accuracy, then lower peak memory" if self.has_accuracy else "lower peak memory"
+        by = "lower peak memory, then fewer strategies"
+        by = f"accuracy, then {by}" if self.has_accuracy else by
         return (
             f"throughputs within noise (a noisy figure, or less than {TIE_MARGIN:.0%} apart): "
             f"ranked by {by}"
@@ -255,22 +256,39 @@ def throughput_tiers(frame: pd.DataFrame) -> pd.Series:
     return pd.Series(tiers, dtype=int).reindex(frame.index)
 
 
+def strategy_terms(strategy: Any) -> int:
+    """How much a configuration adds to plain training: its strategies (``none``: 0;
+    ``checkpoint+accumulate:4``: 2). A tie on everything measured goes to the fewer: a
+    strategy that changed nothing (checkpoint where the peak is in the optimizer step) only
+    adds recomputation or code."""
+    text = str(strategy) if isinstance(strategy, str) else ""
+    return len([t for t in text.split("+") if t and t != "none"])
+
+
 def rank_within_noise(frame: pd.DataFrame) -> Ranking:
     """``frame``'s trials by throughput, best first, never by a difference the noise rule
     cannot tell apart: trials in one ``throughput_tiers`` tier are ranked by accuracy (higher
-    first), then by peak memory (lower first), then by throughput. Pure: the same trials give
-    the same order."""
+    first), then by peak memory (lower first), then by the fewer strategies
+    (``strategy_terms``), then by throughput. Pure: the same trials give the same order."""
     if not frame.index.is_unique:
         frame = frame.reset_index(drop=True)
     tier = throughput_tiers(frame)
     keys = frame.assign(_tier=tier)
     by, ascending = ["_tier"], [True]
-    for column, up in (("accuracy", False), (MEMORY, True), ("throughput", False)):
+    if "strategy" in keys:
+        keys = keys.assign(_terms=keys["strategy"].map(strategy_terms))
+    for column, up in (
+        ("accuracy", False),
+        (MEMORY, True),
+        ("_terms", True),
+        ("throughput", False),
+    ):
         if column in keys:
             by.append(column)
             ascending.append(up)
     ordered = keys.sort_values(by, ascending=ascending, na_position="last", kind="stable")
-    return Ranking(ordered.drop(columns="_tier"), ordered["_tier"], "throughput")
+    trials = ordered.drop(columns=[c for c in ("_tier", "_terms") if c in ordered])
+    return Ranking(trials, ordered["_tier"], "throughput")
 
 
 # What ``recommend`` ranks by: throughput (within noise), or another quality or time to a
