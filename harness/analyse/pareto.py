@@ -25,6 +25,7 @@ import pandas as pd
 from harness.analyse.noise import TIE_MARGIN, noise_reason, throughputs_tie
 from harness.contract import AXES
 from harness.metrics import DEFAULT_OBJECTIVES, METRICS, Objective
+from harness.strategies.combination import recorded_names
 from harness.units import format_bytes
 
 REFERENCE = 1.1  # normalised reference point, per objective
@@ -261,8 +262,7 @@ def strategy_terms(strategy: Any) -> int:
     ``checkpoint+accumulate:4``: 2). A tie on everything measured goes to the fewer: a
     strategy that changed nothing (checkpoint where the peak is in the optimizer step) only
     adds recomputation or code."""
-    text = str(strategy) if isinstance(strategy, str) else ""
-    return len([t for t in text.split("+") if t and t != "none"])
+    return len([name for name in recorded_names(strategy) if name != "none"])
 
 
 def rank_within_noise(frame: pd.DataFrame) -> Ranking:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
 from harness.strategies import LOWERS, STRATEGIES
+from harness.strategies.combination import recorded_names
 
 PHASE_WORDS = {
     "forward": "the forward pass",
@@ -55,7 +56,7 @@ def peak_shares(row: Mapping[Any, Any]) -> dict[str, float]:
 def applicable(name: str, row: Mapping[Any, Any]) -> bool:
     """Whether strategy ``name`` applies to the row's model and device, and is not in use."""
     info = STRATEGIES[name]
-    used = {term.partition(":")[0] for term in str(row.get("strategy") or "").split("+")}
+    used = set(recorded_names(row.get("strategy")))
     device = str(row.get("device") or "cpu").partition(":")[0]
     family = row.get("model")
     return (
@@ -107,14 +108,8 @@ def optimizer_peak_note(frame: pd.DataFrame) -> str | None:
     in_step = done[done["peak_phase"].eq("optimizer")]
     if in_step.empty:
         return None
-    tried = sorted(
-        {
-            term.partition(":")[0]
-            for text in in_step["strategy"].dropna().astype(str)
-            for term in text.split("+")
-        }
-        & set(activation_only())
-    )
+    used = {name for text in in_step["strategy"] for name in recorded_names(text)}
+    tried = sorted(used & set(activation_only()))
     blind = f" ({', '.join(tried)} among them)" if tried else ""
     return (
         f"{len(in_step)} of {len(done)} finished trials peak in the optimizer step: activation "

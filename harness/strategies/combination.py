@@ -106,6 +106,16 @@ class Term:
         return resolve(self.info.impl)(self.given)
 
 
+def recorded_names(written: object) -> list[str]:
+    """The strategy names in a recorded one-string form (``checkpoint+accumulate:4`` ->
+    ``["checkpoint", "accumulate"]``), unchecked: a results row may hold a combination that an
+    older or newer registry judges differently, and reading it must not fail. Not a string
+    (a missing value): none."""
+    if not isinstance(written, str):
+        return []
+    return [text.strip().partition(":")[0] for text in written.split("+") if text.strip()]
+
+
 @dataclass(frozen=True)
 class Combination:
     """The strategies of one trial, in the order they apply; valid by construction when made
