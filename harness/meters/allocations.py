@@ -14,19 +14,28 @@ buffers as ``.to("cuda")`` would allocate them, in module order). ``on_op`` lets
 allocations a kernel makes outside any output (cuBLAS workspaces). Events are
 ``(allocation id, bytes)`` for an allocation, ``(allocation id, FREE)`` for its free and
 ``(-1, EMPTY_CACHE)`` where the cache is emptied.
+
+With ``blocks`` (``BlockTags``) set, every event is also tagged with the model block it belongs
+to (``tags``, beside ``events``): a free outside every block under its allocation's, an output
+of the optimizer's step under the block of the input it stands for (``inherited``), so a
+shallow model's log can be extended to its full depth (``harness.meters.block_repeat``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from harness.compat.internals import TorchDispatchMode, active_fake_mode, tree_leaves
 from harness.meters.accounting import get_untyped_storages
+from harness.meters.block_repeat import OUTSIDE
+from harness.meters.block_tags import BlockTags
 
 FREE = -1
 EMPTY_CACHE = -2  # the size of an event that is torch.cuda.empty_cache(), not an allocation
@@ -43,6 +52,10 @@ class AllocationLog(TorchDispatchMode):
         self.device_type = device_type
         self.on_op = on_op
         self.events: list[Event] = []
+        self.tags: list[int] = []  # each event's block (OUTSIDE without ``blocks``)
+        self.blocks: BlockTags | None = None
+        self.tag_of: dict[int, int] = {}  # allocation id -> its tag
+        self.registered: dict[int, int] = {}  # allocation id -> id() of the module it went to
         self.untracked: list[int] = []  # ids of the allocations no tensor shows, in order
         self.live: dict[int, tuple[int, int]] = {}  # storage key -> (allocation id, bytes)
         self._ids = itertools.count()
@@ -70,18 +83,79 @@ class AllocationLog(TorchDispatchMode):
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         """File tensors made before the log started, in the order given."""
+        blocks = self.blocks.parameter_blocks if self.blocks is not None else {}
         for tensor in tensors:
-            self._saw(tensor)
+            self._saw(tensor, blocks.get(id(tensor), OUTSIDE))
+
+    @contextlib.contextmanager
+    def watching_registrations(self) -> Iterator[None]:
+        """Note which module each new parameter or buffer is registered to while a model is
+        built (the global registration hooks of ``torch.nn``), so ``tag_what_was_built`` can
+        tell a block's tensors even where they are replaced later (a LoRA base cast to bf16)."""
+
+        def registered(module: torch.nn.Module, _name: str, tensor: Any) -> None:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
+                for storage in get_untyped_storages(tensor):
+                    found = self.live.get(storage._cdata)
+                    if found is not None:
+                        self.registered.setdefault(found[0], id(module))
+
+        with contextlib.ExitStack() as stack:
+            stack.callback(nn_module.register_module_parameter_registration_hook(registered).remove)
+            stack.callback(nn_module.register_module_buffer_registration_hook(registered).remove)
+            yield
+
+    def tag_what_was_built(self) -> None:
+        """Tag the events filed before ``blocks`` was set (the model's construction): a tensor
+        registered to a module of a block, or alive in one now, under its block; every other
+        event under the block whose tensor was made last before it (its construction's
+        temporaries, the tensors its tensors replaced)."""
+        assert self.blocks is not None
+        block_of_module: dict[int, int] = {}
+        owner: dict[int, int] = {}  # allocation id -> block
+        for index, block in enumerate(self.blocks.blocks):
+            for module in block.modules():
+                block_of_module[id(module)] = index
+            for tensor in [*block.parameters(), *block.buffers()]:
+                for storage in get_untyped_storages(tensor):
+                    found = self.live.get(storage._cdata)
+                    if found is not None:
+                        owner[found[0]] = index
+        for ident, module in self.registered.items():
+            if module in block_of_module:
+                owner.setdefault(ident, block_of_module[module])
+        building = OUTSIDE
+        made_at: dict[int, int] = {}
+        for at, (ident, size) in enumerate(self.events):
+            if size >= 0:
+                building = owner.get(ident, building)
+                self.tag_of[ident] = building
+                made_at[ident] = at
+            elif size == FREE and building != OUTSIDE and self.tag_of.get(ident) == OUTSIDE:
+                # made before any block's tensor, replaced while its block was built: the
+                # block's own (a weight made for real, then cast)
+                self.tag_of[ident] = building
+                self.tags[made_at[ident]] = building
+            self.tags[at] = building if size != EMPTY_CACHE else OUTSIDE
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()`` at this point (the trial calls it after building)."""
-        self.events.append((-1, EMPTY_CACHE))
+        self._file(-1, EMPTY_CACHE, OUTSIDE)
 
     def allocate(self, nbytes: int) -> None:
         """An allocation no tensor shows (a library workspace), never freed."""
         ident = next(self._ids)
         self.untracked.append(ident)
-        self.events.append((ident, nbytes))
+        self._file(ident, nbytes, self._now())
+
+    def _now(self) -> int:
+        return self.blocks.current if self.blocks is not None else OUTSIDE
+
+    def _file(self, ident: int, size: int, tag: int) -> None:
+        self.events.append((ident, size))
+        self.tags.append(tag)
+        if size >= 0:
+            self.tag_of[ident] = tag
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.on_op is not None and active_fake_mode() is self._fake_mode_on_entry:
@@ -91,14 +165,55 @@ class AllocationLog(TorchDispatchMode):
         if active_fake_mode() is not self._fake_mode_on_entry:
             return result  # a nested fake mode's op (DTensor's sharding propagation)
         if isinstance(result, torch.Tensor):
-            self._saw(result)
+            outputs = [result]
         else:
-            for item in tree_leaves(result):
-                if isinstance(item, torch.Tensor):
-                    self._saw(item)
+            outputs = [item for item in tree_leaves(result) if isinstance(item, torch.Tensor)]
+        now = self._now()
+        if now == OUTSIDE and self.blocks is not None and self.blocks.optimizing:
+            for output, tag in zip(outputs, self.inherited(args, len(outputs)), strict=True):
+                self._saw(output, tag)
+        else:
+            for output in outputs:
+                self._saw(output, now)
         return result
 
-    def _saw(self, tensor: torch.Tensor) -> None:
+    def inherited(self, args: Any, count: int) -> list[int]:
+        """Tags for the ``count`` outputs of an op of the optimizer's step: a ``_foreach``
+        op's i-th output the block of its list's i-th input; any other's the one block all its
+        tagged inputs share; an output with none (a parameter's ``step`` count) the block the
+        step made its last output for, as it goes parameter by parameter."""
+        assert self.blocks is not None
+        tags: list[int] | None = None
+        for arg in args:
+            listed = isinstance(arg, list | tuple) and len(arg) == count and count > 1
+            if listed and all(isinstance(item, torch.Tensor) for item in arg):
+                tags = [self._tag_of_tensor(item) for item in arg]
+                break
+        if tags is None:
+            found = {
+                self._tag_of_tensor(item)
+                for item in (args if isinstance(args, tuple | list) else (args,))
+                if isinstance(item, torch.Tensor)
+            }
+            found.discard(OUTSIDE)
+            tags = [found.pop() if len(found) == 1 else OUTSIDE] * count
+        for index, tag in enumerate(tags):
+            if tag == OUTSIDE:
+                tags[index] = self.blocks.stepping
+            else:
+                self.blocks.stepping = tag
+        return tags
+
+    def _tag_of_tensor(self, tensor: torch.Tensor) -> int:
+        if tensor.device.type != self.device_type:
+            return OUTSIDE
+        for storage in get_untyped_storages(tensor):
+            found = self.live.get(storage._cdata)
+            if found is not None:
+                return self.tag_of.get(found[0], OUTSIDE)
+        return OUTSIDE
+
+    def _saw(self, tensor: torch.Tensor, tag: int = OUTSIDE) -> None:
         if tensor.device.type != self.device_type:
             return
         for storage in get_untyped_storages(tensor):
@@ -110,7 +225,7 @@ class AllocationLog(TorchDispatchMode):
                 continue
             ident = next(self._ids)
             self.live[key] = (ident, nbytes)
-            self.events.append((ident, nbytes))
+            self._file(ident, nbytes, tag)
             self._refs[key] = weakref.ref(storage, self._finalizer(key))
 
     def _finalizer(self, key: int) -> Callable[[Any], None]:
@@ -118,9 +233,15 @@ class AllocationLog(TorchDispatchMode):
             found = self.live.pop(key, None)
             self._refs.pop(key, None)
             if found is not None:
-                self.events.append((found[0], FREE))
+                self._freed(found[0])
 
         return freed
+
+    def _freed(self, ident: int) -> None:
+        """A free is filed under the block at work, or outside every block under its
+        allocation's (the optimizer's burst of frees sweeps the blocks as its allocations did)."""
+        now = self.blocks.freeing if self.blocks is not None else OUTSIDE
+        self._file(ident, FREE, self.tag_of.get(ident, OUTSIDE) if now == OUTSIDE else now)
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -128,13 +249,16 @@ class AllocationLog(TorchDispatchMode):
         nbytes = storage.nbytes()
         if found is not None and found[1] == nbytes:
             return
+        tag = self._now()
         if found is not None:
             del self.live[key]
-            self.events.append((found[0], FREE))
+            if tag == OUTSIDE:
+                tag = self.tag_of.get(found[0], OUTSIDE)
+            self._freed(found[0])
         if nbytes > 0:
             ident = next(self._ids)
             self.live[key] = (ident, nbytes)
-            self.events.append((ident, nbytes))
+            self._file(ident, nbytes, tag)
             if key not in self._refs:
                 self._refs[key] = weakref.ref(storage, self._finalizer(key))
 

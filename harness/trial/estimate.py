@@ -20,7 +20,7 @@ import contextlib
 import gc
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,15 +33,18 @@ from harness.cuda.kernels import Workspaces
 from harness.cuda.speed import card_roofline
 from harness.meters.accounting import cuda_accounting, optimizer_state_bytes, storage_bytes
 from harness.meters.allocations import AllocationLog, repeated_step
+from harness.meters.block_tags import BlockTags
 from harness.meters.memory import MemoryWindow
-from harness.meters.op_costs import OpCostCounter, StepCosts
+from harness.meters.op_costs import OpCostCounter
 from harness.meters.roofline import Roofline, step_time
 from harness.metrics import BREAKDOWN_CATEGORIES, breakdown_metric
 from harness.strategies.base import Strategy, StrategyError
+from harness.strategies.checkpoint import repeated_blocks
 from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
 from harness.strategies.settings import DEFAULT_LORA
 from harness.trial.calibrate import cpu_roofline
 from harness.trial.config import TrialConfig
+from harness.trial.depth import predict_by_depth, with_note
 from harness.trial.distributed import Ranks
 from harness.trial.fake import (
     FAKE_REFUSALS,
@@ -53,6 +56,7 @@ from harness.trial.prediction import CardFigures, Prediction, SpeedFigures
 from harness.trial.recompute import auto_strategy, choose
 from harness.trial.setup import Setup, build_setup
 from harness.trial.target import CudaTarget, cuda_rules, cuda_target, target_note
+from harness.trial.window_trace import WindowTrace
 from harness.units import format_bytes
 from harness.workloads import describe_dataset
 
@@ -138,33 +142,24 @@ def estimate_role(
 ) -> Prediction:
     """The prediction for ``rank``'s role on the mesh (``Layout.roles``)."""
     auto = auto_strategy(strategies)
+    note = ""
+    if auto is None:  # a deep model from two shallow traces (harness.trial.depth)
+
+        def shallow(config: TrialConfig) -> Predictor:
+            return Predictor(
+                config, device, as_cuda, strategies=strategies, rank=rank, tag_blocks=True
+            )
+
+        deep, note = predict_by_depth(config, device, as_cuda, shallow)
+        if deep is not None:
+            return deep
     # checkpoint:auto / sac:auto try several plans on one build, each warmed up afresh.
     with Predictor(
         config, device, as_cuda, strategies=strategies, rewarm=auto is not None, rank=rank
     ) as predictor:
         if auto is not None:
             return choose(predictor, config.batch_size, predictor.budget())
-        return predictor.predict(config.batch_size)
-
-
-@dataclass(frozen=True)
-class WindowTrace:
-    """What one memory window ran, before any device's figures are drawn from it: the same
-    trace gives every card that runs the same step its prediction (``Predictor.on_card``)."""
-
-    config: TrialConfig
-    samples: int  # per step, every rank's
-    throughput_unit: str
-    costs: StepCosts
-    peak: float  # by tensor accounting
-    breakdown: dict[str, float]
-    history: list[tuple[int, int]]  # allocation events before the window (CUDA targets)
-    events: list[tuple[int, int]]  # the window's
-    num_params: float
-    num_params_total: float
-    num_params_nf4: float
-    model_state: float
-    totals: Any
+        return with_note(predictor.predict(config.batch_size), note)
 
 
 class Predictor:
@@ -209,8 +204,10 @@ class Predictor:
         strategies: tuple[Strategy, ...] | None = None,
         rewarm: bool = False,
         rank: int = 0,
+        tag_blocks: bool = False,
     ) -> None:
         self.config, self.device, self.as_cuda = config, device, as_cuda
+        self.tag_blocks = tag_blocks  # file each allocation event under its model block
         self.rank = rank  # whose role is predicted: a pipeline's stages differ
         self.steps_run, self.totals = steps_run, totals
         self.strategies = strategies or config.strategy.build()
@@ -286,8 +283,18 @@ class Predictor:
                 self.workspaces = Workspaces(self.target.card)
                 self.log = stack.enter_context(AllocationLog(self.device.type, self.workspaces))
             self.values = stack.enter_context(ValuesReadAsOne())
-            setup = build_setup(config, self.device, ranks, self.info, None, self.strategies)
+            watching = (
+                self.log.watching_registrations()
+                if self.log is not None and self.tag_blocks
+                else contextlib.nullcontext()
+            )
+            with watching:
+                setup = build_setup(config, self.device, ranks, self.info, None, self.strategies)
             stack.enter_context(libraries_run_eagerly())  # now that the model's code is loaded
+            if self.log is not None and self.tag_blocks:
+                self.log.blocks = block_tags(setup)
+                if self.log.blocks is not None:
+                    self.log.tag_what_was_built()
             if self.log is not None:  # the trial empties the cache after building (run.py),
                 self.log.empty_cache()  # then the parameters as .to("cuda") placed them
                 self.log.register([*setup.model.parameters(), *setup.model.buffers()])
@@ -422,7 +429,7 @@ class Predictor:
             allocator_counters=False,
             totals=self.totals,
         )
-        history = self.history() if self.log is not None else []
+        history, history_tags = self.history() if self.log is not None else ([], [])
         start = len(self.log.events) if self.log is not None else 0
         # The window's first step is priced: after the warm-up every step runs the same ops,
         # so a one-step window (the fit search's) prices exactly what a full one does.
@@ -444,11 +451,14 @@ class Predictor:
                 with counting if index == 0 else contextlib.nullcontext():
                     setup.train_step(staged_batch, on_micro_batch=window.micro_batch_done)
         events: list[tuple[int, int]] = []
+        tags: list[int] = []
         if self.log is not None:
-            events = self.log.events[start:]
+            events, tags = self.log.events[start:], self.log.tags[start:]
             self.window_made.update(ident for ident, size in events if size >= 0)
             if repeats is not None:  # after the first step, before anything filed later
                 events[first_end - start : first_end - start] = repeats
+                step_tags = self.log.tags[step_start:first_end]
+                tags[first_end - start : first_end - start] = step_tags * (len(steps) - 1)
         # This rank's parameters (frozen ones too) + a gradient for each trainable one + the
         # optimizer's persistent state.
         parameters = list(setup.model.parameters())
@@ -472,6 +482,8 @@ class Predictor:
                 + optimizer_state_bytes(setup.optimizer)
             ),
             totals=window.totals_tracker.totals if window.totals_tracker is not None else None,
+            history_tags=history_tags if self.tag_blocks else [],
+            event_tags=tags if self.tag_blocks else [],
         )
         budget = self.target.budget(config) if self.target is not None else None
         return self.figures(self.trace, self.target, self.roofline, budget)
@@ -631,20 +643,31 @@ class Predictor:
             unmodelled_ops=", ".join(unmodelled),
         )
 
-    def history(self) -> list[tuple[int, int]]:
-        """What the allocator saw before this window: the parameters and the warm-up step,
-        then (after earlier windows of other batch sizes) the change of what is alive since,
-        as frees and allocations: the state a fresh process would enter the window in."""
+    def history(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """What the allocator saw before this window, and each event's block tag: the
+        parameters and the warm-up step, then (after earlier windows of other batch sizes) the
+        change of what is alive since, as frees and allocations: the state a fresh process
+        would enter the window in."""
         assert self.log is not None
-        events = [
-            *self.log.events[: self.built_end],
-            *self.log.events[self.warm_start : self.history_end],
-        ]
-        live = self.log.live
-        now = {ident: size for ident, size in live.values()}
-        gone = [(ident, FREE) for ident in sorted(self.history_live - now.keys())]
-        new = [(ident, now[ident]) for ident in sorted(now.keys() - self.history_live)]
-        return [*events, *gone, *new]
+        log = self.log
+        events = [*log.events[: self.built_end], *log.events[self.warm_start : self.history_end]]
+        tags = [*log.tags[: self.built_end], *log.tags[self.warm_start : self.history_end]]
+        now = {ident: size for ident, size in log.live.values()}
+        gone = sorted(self.history_live - now.keys())
+        new = sorted(now.keys() - self.history_live)
+        events += [(ident, FREE) for ident in gone] + [(ident, now[ident]) for ident in new]
+        tags += [log.tag_of.get(ident, -1) for ident in (*gone, *new)]
+        return events, tags
+
+
+def block_tags(setup: Setup) -> BlockTags | None:
+    """The hooks that tag each allocation event with its model block (None: no repeated
+    blocks, and no extension by depth)."""
+    try:
+        _, blocks = repeated_blocks(setup.model)
+    except StrategyError:
+        return None
+    return BlockTags(setup.model, blocks, setup.optimizer)
 
 
 def replay_for_budget(replayable: Replayable, budget: int) -> DeviceMemory | None:

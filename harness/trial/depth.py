@@ -1,0 +1,260 @@
+"""A deep model predicted from two shallow copies of it: its repeated block traced once.
+
+An 8B Llama's 32 blocks are one block 32 times, and tracing all of them is most of a
+prediction's time (16 s of an 8B LoRA estimate on 2 cores). The model is traced at
+``SHALLOW`` and ``SHALLOW + 1`` blocks instead (its first and last blocks, which may differ
+from the rest, and middle blocks between them), and every figure is carried to the full depth:
+
+- what tensor accounting counts (the peak, its breakdown, model state, parameter counts) grows
+  by the same amount with each block: the difference of the two traces, once per block more;
+- the ops priced for speed: the deeper trace's, with the ops the extra block added once more
+  per block (a multiset: their order prices nothing);
+- what the card's caching allocator does is not additive (segments round to 2 and 20 MiB), so
+  the allocation log itself is extended (``harness.meters.block_repeat``: the middle block's
+  events filed again in each sweep, every free aimed at its counterpart) and replayed at full
+  depth, as a full trace's log would be.
+
+Nothing is assumed that is not checked first, on this very model: the log of the shallower
+trace, extended by one block, must equal the deeper trace's event for event; the peak by tensor
+accounting of the extended log must equal the carried peak (else the peak moved to another
+moment of the step as blocks were added: a block's activations overtaking the optimizer's
+peak, say); blocks must file alike. Where any check fails, or the model is not made of one
+repeated block (``repeated_blocks``), the caller traces it whole and the note says why.
+Only CUDA targets take this path (the allocator replay is what needs the log, and a card is
+what deep models are predicted for); a CPU target is traced whole.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from harness.meters.accounting import allocated_bytes
+from harness.meters.block_repeat import (
+    FREE,
+    Irregular,
+    canonical,
+    extend,
+    smoothed,
+)
+from harness.meters.op_costs import StepCosts
+from harness.trial.config import TrialConfig
+from harness.trial.prediction import Prediction
+from harness.trial.window_trace import WindowTrace
+
+SHALLOW = 5  # blocks of the shallower trace; the deeper has one more
+MIDDLE = 2  # the block copied: its neighbours are middle blocks too, in both traces
+MIN_DEPTH = 12  # shallower models are traced whole: the two traces would cost as much
+
+
+@dataclass(frozen=True)
+class Depth:
+    """Where a configuration's depth is set (the knob) and how deep it is."""
+
+    knob: str
+    blocks: int
+    extra: dict[str, Any]  # other knobs that list one value per block, cut with the depth
+
+    def at(self, config: TrialConfig, blocks: int) -> TrialConfig:
+        knobs = {**config.model_knobs, self.knob: blocks}
+        for name, values in self.extra.items():
+            knobs[name] = list(values[:blocks])
+        return replace(config, model_knobs=knobs)
+
+
+def depth_of(config: TrialConfig) -> Depth | None:
+    """The configuration's depth, where its family sets one by a knob and its blocks are
+    alike by construction (None otherwise: traced whole)."""
+    knobs = config.knobs
+    if config.model_family == "gpt":
+        return Depth("n_layer", int(knobs["n_layer"]), {})
+    if config.model_family == "timm" and "depth" in knobs:
+        return Depth("depth", int(knobs["depth"]), {})
+    if config.model_family == "hf":
+        from harness.workloads.hf import load_config
+
+        hf_config = load_config(dict(knobs), list(config.python_path or []))
+        blocks = getattr(hf_config, "num_hidden_layers", None)
+        if not isinstance(blocks, int):
+            return None
+        extra: dict[str, Any] = {}
+        for name, value in vars(hf_config).items():
+            if isinstance(value, list | tuple) and len(value) == blocks and blocks > 1:
+                if any(item != value[0] for item in value):
+                    return None  # blocks that differ (sliding-window layers among full ones)
+                extra[name] = value
+        return Depth("num_hidden_layers", blocks, extra)
+    return None
+
+
+def predict_by_depth(
+    config: TrialConfig,
+    device: torch.device,
+    as_cuda: bool,
+    shallow_predictor: Callable[[TrialConfig], Any],
+    min_depth: int = MIN_DEPTH,
+) -> tuple[Prediction | None, str]:
+    """``config``'s prediction from two shallow traces, or None and why it must be traced
+    whole ("" where the shortcut does not apply at all: a shallow model, a CPU target).
+    ``shallow_predictor``: a ``Predictor`` of a configuration, tagging its blocks (passed in:
+    ``harness.trial.estimate`` calls this module)."""
+    if not (as_cuda or device.type == "cuda"):
+        return None, ""
+    depth = depth_of(config)
+    if depth is None or depth.blocks < min_depth:
+        return None, ""
+    if config.strategy.term("pp") is not None:
+        return None, "pipeline stages traced whole"
+    traces: list[WindowTrace] = []
+    workspaces: list[frozenset[int]] = []  # each trace's library workspaces (allocation ids)
+    attention: list[Counter[str]] = []  # each trace's attention calls by backend
+    predictor: Any = None
+    for blocks in (SHALLOW, SHALLOW + 1):
+        shallow = depth.at(config, blocks)
+        if predictor is not None:
+            predictor.close()
+        predictor = shallow_predictor(shallow)
+        prediction = predictor.predict(config.batch_size)
+        if not prediction.ok or predictor.trace is None:
+            predictor.close()
+            return None, ""  # the whole model answers for itself
+        traces.append(predictor.trace)
+        assert predictor.log is not None
+        workspaces.append(frozenset(predictor.log.untracked))
+        attention.append(Counter(predictor.kernels.backends if predictor.kernels else {}))
+    assert predictor is not None
+    try:
+        deep = carried(traces, workspaces, depth.blocks, config)
+    except Irregular as error:
+        predictor.close()
+        return None, f"traced whole ({error})"
+    if predictor.kernels is not None:  # the note counts the full depth's attention calls
+        more = depth.blocks - (SHALLOW + 1)
+        for backend, count in attention[1].items():
+            predictor.kernels.backends[backend] = count + (count - attention[0][backend]) * more
+    budget = predictor.target.budget(config) if predictor.target is not None else None
+    prediction = predictor.figures(deep, predictor.target, predictor.roofline, budget)
+    predictor.close()
+    note = f"traced {SHALLOW} and {SHALLOW + 1} of {depth.blocks} blocks, the rest repeated"
+    return with_note(prediction, note), ""
+
+
+def with_note(prediction: Prediction, note: str) -> Prediction:
+    if prediction.on_card is None or not note:
+        return prediction
+    card = prediction.on_card
+    return replace(
+        prediction, on_card=replace(card, note="; ".join(filter(None, (card.note, note))))
+    )
+
+
+def carried(
+    traces: Sequence[WindowTrace],
+    workspaces: Sequence[frozenset[int]],
+    blocks: int,
+    config: TrialConfig,
+) -> WindowTrace:
+    """The deeper of two traces (``SHALLOW`` and one more block; ``workspaces``: each one's
+    library workspaces) carried to ``blocks`` blocks; ``Irregular`` where a check fails."""
+    shallow, deeper = traces
+    fixed = workspaces[1]
+    if not deeper.event_tags or not any(tag >= 0 for tag in deeper.event_tags):
+        raise Irregular("no repeated blocks found")
+    one_more = _extended(shallow, 1, workspaces[0])
+    if canonical(one_more[0] + one_more[1]) != canonical(deeper.history + deeper.events) or (
+        len(one_more[0]) != len(deeper.history)
+    ):
+        raise Irregular("a block more does not file what one block filed")
+    if one_more[2] != smoothed(
+        deeper.history + deeper.events, deeper.history_tags + deeper.event_tags
+    ):
+        raise Irregular("a block more is not tagged as one block was")
+    more = blocks - (SHALLOW + 1)
+    history, events, _ = _extended(deeper, more, fixed)
+
+    def grown(low: float, high: float) -> float:
+        return high + (high - low) * more
+
+    peak = grown(shallow.peak, deeper.peak)
+    for trace, made_once in zip(traces, workspaces, strict=True):
+        if tracked_peak(trace.history, trace.events, made_once) != trace.peak:
+            raise Irregular("the log's live bytes do not add up to tensor accounting's peak")
+    if tracked_peak(history, events, fixed) != peak:
+        raise Irregular("the peak falls elsewhere in the step at full depth")
+    return WindowTrace(
+        config=config,
+        samples=deeper.samples,
+        throughput_unit=deeper.throughput_unit,
+        costs=grown_costs(shallow.costs, deeper.costs, more),
+        peak=peak,
+        breakdown={
+            key: grown(shallow.breakdown[key], value) for key, value in deeper.breakdown.items()
+        },
+        history=history,
+        events=events,
+        num_params=grown(shallow.num_params, deeper.num_params),
+        num_params_total=grown(shallow.num_params_total, deeper.num_params_total),
+        num_params_nf4=grown(shallow.num_params_nf4, deeper.num_params_nf4),
+        model_state=grown(shallow.model_state, deeper.model_state),
+        totals=None,
+    )
+
+
+def _extended(
+    trace: WindowTrace, more: int, fixed: frozenset[int]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+    """A trace's history and window, ``more`` blocks deeper, and their tags."""
+    events = trace.history + trace.events
+    out = extend(
+        events,
+        smoothed(events, trace.history_tags + trace.event_tags),
+        MIDDLE,
+        more,
+        boundary=len(trace.history),
+        fixed=fixed,
+    )
+    return out.events[: out.boundary], out.events[out.boundary :], out.tags
+
+
+def grown_costs(shallow: StepCosts, deeper: StepCosts, more: int) -> StepCosts:
+    """The deeper step's ops and ``more`` times those one block added (order prices nothing)."""
+    if shallow.steps != deeper.steps:
+        raise Irregular("the two traces priced different numbers of steps")
+    low, high = Counter(shallow.calls), Counter(deeper.calls)
+    if low - high:
+        raise Irregular("a block more dropped an op the shallower step ran")
+    block = high - low
+    calls = list(deeper.calls)
+    for call, count in block.items():
+        calls.extend([call] * (count * more))
+    return StepCosts(calls=calls, steps=deeper.steps)
+
+
+def tracked_peak(
+    history: Sequence[tuple[int, int]], window: Sequence[tuple[int, int]], fixed: frozenset[int]
+) -> float:
+    """The most bytes tensors hold at once in ``window`` (after ``history``), each allocation
+    rounded as CUDA's allocator rounds it and library workspaces (``fixed``) left out: what
+    tensor accounting's peak counts."""
+    cuda = torch.device("cuda")
+    live: dict[int, int] = {}
+    total = 0
+    for ident, size in history:
+        if size >= 0 and ident not in fixed:
+            live[ident] = allocated_bytes(size, cuda)
+            total += live[ident]
+        elif size == FREE:
+            total -= live.pop(ident, 0)
+    peak = total
+    for ident, size in window:
+        if size >= 0 and ident not in fixed:
+            live[ident] = allocated_bytes(size, cuda)
+            total += live[ident]
+            peak = max(peak, total)
+        elif size == FREE:
+            total -= live.pop(ident, 0)
+    return float(peak)
