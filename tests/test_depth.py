@@ -1,0 +1,127 @@
+"""A deep model predicted from two shallow traces (``harness.trial.depth``) equals the full
+trace to the byte: the allocated, reserved and device figures, the breakdown, the model state,
+the parameter counts, the step's FLOPs and time. Each case traces the model whole too, at 8 or
+9 blocks, and compares every field of the two predictions (the note aside, which says which
+path was taken)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from harness.spec.grid import trial_configs
+from harness.spec.load import parse_spec
+from harness.trial.config import TrialConfig
+from harness.trial.depth import SHALLOW, depth_of, predict_by_depth
+from harness.trial.estimate import Predictor, estimate_peak
+from harness.trial.prediction import Prediction
+from tests.conftest import BASE_SPEC
+
+CPU = torch.device("cpu")
+GPT = {"n_layer": 9, "d_model": 64, "n_head": 4, "seq_len": 64}
+TOKENS = {"dataset": "tokens", "vocab_size": 512, "num_samples": 64}
+LLAMA = {  # grouped-query attention: 4 query heads over 2 key/value heads
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 9,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "seq_len": 64,
+}
+QWEN2 = {  # q/k/v biases, 8 heads over 2 key/value heads
+    "preset": "qwen2.5-0.5b",
+    "num_hidden_layers": 8,
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "seq_len": 32,
+}
+VIT = {"name": "vit_tiny_patch16_224", "patch_size": 4, "depth": 8, "embed_dim": 48}
+IMAGES = {"dataset": "synthetic", "shape": [3, 16, 16], "num_classes": 10, "num_samples": 64}
+
+
+def config_of(
+    family: str, size: dict[str, Any], strategy: Any, data: dict[str, Any] = TOKENS
+) -> TrialConfig:
+    spec = copy.deepcopy(BASE_SPEC)
+    spec["model"] = {"family": family, "sizes": {"s": dict(size)}}
+    spec["data"] = dict(data)
+    spec["grid"].update(batch_size=[4], dtype=["bf16"], strategy=[strategy])
+    spec["card"] = "h100-80gb"
+    return trial_configs(parse_spec(spec))[0]
+
+
+def by_depth(config: TrialConfig) -> tuple[Prediction | None, str]:
+    strategies = config.strategy.build()
+
+    def shallow(shallow_config: TrialConfig) -> Predictor:
+        return Predictor(shallow_config, CPU, True, strategies=strategies, tag_blocks=True)
+
+    return predict_by_depth(config, CPU, True, shallow, min_depth=SHALLOW + 2)
+
+
+def whole(config: TrialConfig) -> Prediction:
+    with Predictor(config, CPU, as_cuda=True) as predictor:
+        return predictor.predict(config.batch_size)
+
+
+def assert_equal_to_the_byte(config: TrialConfig) -> None:
+    deep, why = by_depth(config)
+    assert deep is not None, why
+    assert deep.ok and ("of 9 blocks" in deep.note or "of 8 blocks" in deep.note), deep.note
+    carried, traced = deep.to_dict(), whole(config).to_dict()
+    assert carried.pop("note") != traced.pop("note")
+    assert carried == traced
+
+
+@pytest.mark.parametrize("strategy", ["none", "checkpoint", "lora:8", ["lora:8", "checkpoint"]])
+def test_gpt(strategy):
+    assert_equal_to_the_byte(config_of("gpt", GPT, strategy))
+
+
+@pytest.mark.parametrize("strategy", [["lora:8", "checkpoint"], "qlora:8"])
+def test_hf_llama_with_grouped_query_attention(strategy):
+    assert_equal_to_the_byte(config_of("hf", LLAMA, strategy))
+
+
+def test_hf_qwen2():
+    assert_equal_to_the_byte(config_of("hf", QWEN2, "none"))
+
+
+def test_timm_vit():
+    pytest.importorskip("timm")
+    assert_equal_to_the_byte(config_of("timm", VIT, "none", IMAGES))
+
+
+def test_estimate_takes_the_shortcut_only_where_it_applies():
+    """``estimate_peak`` takes it for a deep CUDA target (12 blocks and more), and not for a
+    CPU target or a shallow model; its answer is the full trace's."""
+    deep = config_of("gpt", {**GPT, "n_layer": 12}, "none")
+    carried = estimate_peak(deep, CPU, as_cuda=True)
+    assert "traced 5 and 6 of 12 blocks" in carried.note
+    assert carried.peak_bytes == whole(deep).peak_bytes
+    assert "blocks" not in estimate_peak(config_of("gpt", GPT, "none"), CPU, as_cuda=True).note
+
+
+def test_blocks_that_differ_are_traced_whole_and_the_note_says_so():
+    """A model whose blocks differ (sliding-window attention in some layers only) is not
+    carried: its depth says why, and the estimate's note repeats it."""
+    mixed = {
+        **QWEN2,
+        "use_sliding_window": True,
+        "sliding_window": 16,
+        "max_window_layers": 4,
+        "num_hidden_layers": 12,
+    }
+    config = config_of("hf", mixed, "none")
+    found = depth_of(config)
+    assert isinstance(found, str) and "layer_types" in found
+    prediction = estimate_peak(config, CPU, as_cuda=True)
+    assert prediction.ok and "traced whole" in prediction.note and "layer_types" in prediction.note
