@@ -98,12 +98,9 @@ class _Layout:
     def span(self, segment: int) -> range:
         return range(self.starts[segment], self.starts[segment + 1])
 
-    def shape(self, tag: int) -> list[tuple[int, ...]]:
-        """What block ``tag`` files, segment by segment (sizes; frees as FREE)."""
-        return [
-            tuple(max(self.events[i][1], FREE) for i in self.span(s))
-            for s in self.segments_of.get(tag, [])
-        ]
+    def signature(self, segment: int) -> tuple[int, ...]:
+        """What a segment files: its sizes, frees as FREE."""
+        return tuple(max(self.events[i][1], FREE) for i in self.span(segment))
 
 
 class _Extender:
@@ -119,7 +116,6 @@ class _Extender:
     ) -> None:
         self.events, self.tags, self.layout = events, tags, layout
         self.middle, self.more = middle, more
-        self.alike: dict[int, bool] = {}
         self.made: dict[tuple[int, int], int] = {}  # (old event index, copy) -> new id
         self.next_id = max((ident for ident, _ in events), default=-1) + 1
 
@@ -155,9 +151,10 @@ class _Extender:
         nth = layout.segments_of[middle].index(segment)
         places = []
         for neighbour in (middle - 1, middle + 1):
-            if not self._alike(middle, neighbour):
-                raise Irregular(f"blocks {middle} and {neighbour} file different events")
-            places.append(layout.segments_of[neighbour][nth])
+            theirs = layout.segments_of.get(neighbour, [])
+            if len(theirs) != len(layout.segments_of[middle]):
+                raise Irregular(f"blocks {middle} and {neighbour} take different turns")
+            places.append(theirs[nth])
         below, above = places
         if below < segment < above:
             return True
@@ -223,30 +220,28 @@ class _Extender:
         own = self.tags[index]
         if own == block:
             return index
-        if not self._alike(own, block):
-            raise Irregular(f"blocks {own} and {block} file different events")
         layout = self.layout
         segment = layout.segment[index]
         nth = layout.segments_of[own].index(segment)
-        theirs = layout.segments_of[block][nth]
+        turns = layout.segments_of.get(block, [])
+        if len(turns) != len(layout.segments_of[own]):
+            raise Irregular(f"blocks {own} and {block} take different turns")
+        theirs = turns[nth]
+        if layout.signature(segment) != layout.signature(theirs):
+            raise Irregular(f"blocks {own} and {block} file different events")
         return layout.starts[theirs] + index - layout.starts[segment]
-
-    def _alike(self, one: int, other: int) -> bool:
-        key = min(one, other) * 1_000_003 + max(one, other)
-        if key not in self.alike:
-            self.alike[key] = self.layout.shape(one) == self.layout.shape(other)
-        return self.alike[key]
 
 
 def smoothed(events: Sequence[Event], tags: Sequence[int]) -> list[int]:
-    """``tags`` with a free that stands alone between two events of one other block filed
+    """``tags`` with a free that stands alone between two events of a neighbouring block filed
     under that block: a step that goes parameter by parameter frees the last parameter's
     temporary while it works on the next (a variable assigned again), and that free belongs to
     the next parameter's turn (it refers back to the block before, which ``extend`` follows)."""
     out = list(tags)
     for index in range(1, len(tags) - 1):
         before, after = tags[index - 1], tags[index + 1]
-        if events[index][1] == FREE and before == after != tags[index] and before >= 0:
+        lone = before == after != tags[index] and before >= 0
+        if lone and events[index][1] == FREE and abs(tags[index] - before) == 1:
             out[index] = before
     return out
 

@@ -49,6 +49,18 @@ from harness.trial.window_trace import WindowTrace
 
 SHALLOW = 5  # blocks of the shallower trace; the deeper has one more
 MIDDLE = 2  # the block copied: its neighbours are middle blocks too, in both traces
+# FSDP's blocks refer two blocks away (a block's backward waits on the reduce-scatter the
+# block above issued): the copied block's neighbours two away must be middle blocks too.
+SHARDED_SHALLOW, SHARDED_MIDDLE = 7, 3
+
+
+def shallow_depth(config: TrialConfig) -> tuple[int, int]:
+    """How many blocks the shallower trace has, and which block is copied."""
+    if any(info.shards_state for info in config.strategy.infos):
+        return SHARDED_SHALLOW, SHARDED_MIDDLE
+    return SHALLOW, MIDDLE
+
+
 MIN_DEPTH = 12  # shallower models are traced whole: the two traces would cost as much
 
 
@@ -118,7 +130,10 @@ def predict_by_depth(
     workspaces: list[frozenset[int]] = []  # each trace's library workspaces (allocation ids)
     attention: list[Counter[str]] = []  # each trace's attention calls by backend
     predictor: Any = None
-    for blocks in (SHALLOW, SHALLOW + 1):
+    low, middle = shallow_depth(config)
+    if depth.blocks < max(min_depth, low + 2):
+        return None, ""
+    for blocks in (low, low + 1):
         shallow = depth.at(config, blocks)
         if predictor is not None:
             predictor.close()
@@ -133,18 +148,18 @@ def predict_by_depth(
         attention.append(Counter(predictor.kernels.backends if predictor.kernels else {}))
     assert predictor is not None
     try:
-        deep = carried(traces, workspaces, depth.blocks, config)
+        deep = carried(traces, workspaces, depth.blocks, config, middle)
     except Irregular as error:
         predictor.close()
         return None, f"traced whole: {error}"
     if predictor.kernels is not None:  # the note counts the full depth's attention calls
-        more = depth.blocks - (SHALLOW + 1)
+        more = depth.blocks - (low + 1)
         for backend, count in attention[1].items():
             predictor.kernels.backends[backend] = count + (count - attention[0][backend]) * more
     budget = predictor.target.budget(config) if predictor.target is not None else None
     prediction = predictor.figures(deep, predictor.target, predictor.roofline, budget)
     predictor.close()
-    note = f"traced {SHALLOW} and {SHALLOW + 1} of {depth.blocks} blocks, the rest repeated"
+    note = f"traced {low} and {low + 1} of {depth.blocks} blocks, the rest repeated"
     return with_note(prediction, note), ""
 
 
@@ -162,14 +177,16 @@ def carried(
     workspaces: Sequence[frozenset[int]],
     blocks: int,
     config: TrialConfig,
+    middle: int,
 ) -> WindowTrace:
-    """The deeper of two traces (``SHALLOW`` and one more block; ``workspaces``: each one's
-    library workspaces) carried to ``blocks`` blocks; ``Irregular`` where a check fails."""
+    """The deeper of two traces (one block apart; ``workspaces``: each one's library
+    workspaces) carried to ``blocks`` blocks by copies of block ``middle``; ``Irregular`` where
+    a check fails."""
     shallow, deeper = traces
     fixed = workspaces[1]
     if not deeper.event_tags or not any(tag >= 0 for tag in deeper.event_tags):
         raise Irregular("no repeated blocks found")
-    one_more = _extended(shallow, 1, workspaces[0])
+    one_more = _extended(shallow, 1, workspaces[0], middle)
     if canonical(one_more[0] + one_more[1]) != canonical(deeper.history + deeper.events) or (
         len(one_more[0]) != len(deeper.history)
     ):
@@ -178,8 +195,8 @@ def carried(
         deeper.history + deeper.events, deeper.history_tags + deeper.event_tags
     ):
         raise Irregular("a block more is not tagged as one block was")
-    more = blocks - (SHALLOW + 1)
-    history, events, _ = _extended(deeper, more, fixed)
+    more = blocks - len({tag for tag in deeper.event_tags if tag >= 0})
+    history, events, _ = _extended(deeper, more, fixed, middle)
 
     def grown(low: float, high: float) -> float:
         return high + (high - low) * more
@@ -215,14 +232,14 @@ def carried(
 
 
 def _extended(
-    trace: WindowTrace, more: int, fixed: frozenset[int]
+    trace: WindowTrace, more: int, fixed: frozenset[int], middle: int
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
     """A trace's history and window, ``more`` blocks deeper, and their tags."""
     events = trace.history + trace.events
     out = extend(
         events,
         smoothed(events, trace.history_tags + trace.event_tags),
-        MIDDLE,
+        middle,
         more,
         boundary=len(trace.history),
         fixed=fixed,
