@@ -7,6 +7,7 @@ path was taken)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,8 +16,8 @@ import torch
 from harness.spec.grid import trial_configs
 from harness.spec.load import parse_spec
 from harness.trial.config import TrialConfig
-from harness.trial.depth import SHALLOW, depth_of, predict_by_depth
-from harness.trial.estimate import Predictor, estimate_peak
+from harness.trial.depth import SHALLOW, deep_predictor, depth_of
+from harness.trial.estimate import Predictor, estimate_peak, predictor_maker
 from harness.trial.prediction import Prediction
 from tests.conftest import BASE_SPEC
 
@@ -59,12 +60,14 @@ def config_of(
 
 
 def by_depth(config: TrialConfig) -> tuple[Prediction | None, str]:
-    strategies = config.strategy.build()
-
-    def shallow(shallow_config: TrialConfig) -> Predictor:
-        return Predictor(shallow_config, CPU, True, strategies=strategies, tag_blocks=True)
-
-    return predict_by_depth(config, CPU, True, shallow, min_depth=SHALLOW + 2)
+    """The carried prediction, or None and why it was not carried."""
+    make = predictor_maker(CPU, True, config.strategy.build())
+    deep, why = deep_predictor(config, CPU, True, make, min_depth=SHALLOW + 2)
+    if deep is None:
+        return None, why
+    with deep:
+        prediction = deep.predict(config.batch_size)
+    return (None, deep.why) if deep.whole is not None else (prediction, "")
 
 
 def whole(config: TrialConfig) -> Prediction:
@@ -134,3 +137,34 @@ def test_blocks_that_differ_are_traced_whole_and_the_note_says_so():
     assert isinstance(found, str) and "layer_types" in found
     prediction = estimate_peak(config, CPU, as_cuda=True)
     assert prediction.ok and "traced whole" in prediction.note and "layer_types" in prediction.note
+
+
+def test_plan_carries_every_card_and_batch():
+    """``harness plan``'s tool takes the same path: two shallow models per batch size, the
+    carried trace replayed for every card that runs the same step; each row's figures equal
+    the whole model's trace on that card at that batch."""
+    from harness.cuda.cards import CATALOGUE
+    from harness.trial.card_plan import plan_group
+
+    config = config_of("gpt", {**GPT, "n_layer": 12}, "none")
+    cards, batches = ("rtx-4090", "h100-80gb"), [2, 6]
+    request = {
+        "cards": {name: CATALOGUE[name].to_dict() for name in cards},
+        "budgets": {name: CATALOGUE[name].memory_bytes for name in cards},
+        "groups": [{"batches": {name: batches for name in cards}}],
+    }
+    rows = plan_group(config, 0, request, CPU, True)["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        assert "traced 5 and 6 of 12 blocks" in row["note"], row["note"]
+        entry = CATALOGUE[row["card"]]
+        point = replace(
+            config,
+            card=entry.to_dict(),
+            batch_size=row["batch_size"],
+            device_memory_bytes=entry.memory_bytes,
+        )
+        expected = whole(point).to_dict()
+        for figure in ("predicted_peak_bytes", "predicted_reserved_bytes",
+                       "predicted_device_bytes", "predicted_step_time_ms"):  # fmt: skip
+            assert row[figure] == expected[figure], (row["card"], row["batch_size"], figure)

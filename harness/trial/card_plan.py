@@ -28,8 +28,16 @@ import torch
 
 from harness.contract import CPU_CARD
 from harness.cuda.cards import Card
+from harness.strategies.base import Strategy
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import Predictor, closed_form, device_note, estimate_peak
+from harness.trial.depth import DeepPredictor, deep_predictor
+from harness.trial.estimate import (
+    Predictor,
+    closed_form,
+    device_note,
+    estimate_peak,
+    predictor_maker,
+)
 from harness.trial.prediction import Prediction
 from harness.trial.recompute import auto_strategy, choose, choose_on
 from harness.units import format_bytes
@@ -84,7 +92,7 @@ def plan_group(
     pending = [cards[name] for name in wanted if name != CPU_CARD]
     traces: list[list[str]] = []  # the cards each trace served, in the order traced
     strategies = config.strategy.build()
-    predictor: Predictor | None = None
+    predictor: Predictor | DeepPredictor | None = None
     try:
         while pending:
             first = pending[0]
@@ -95,7 +103,7 @@ def plan_group(
                 lead = replace(
                     config, card=first.to_dict(), batch_size=batches[0], device_memory_bytes=budget
                 )
-                predictor = Predictor(lead, device, as_cuda, strategies=strategies, rewarm=True)
+                predictor = lead_predictor(lead, device, as_cuda, strategies)
             missed: set[str] = set()  # cards whose step was not the lead's at some batch
             for batch in batches:
                 live = [c for c in pending if batch in wanted[c.name] and c.name not in over]
@@ -123,6 +131,19 @@ def plan_group(
         "traces": traces,
         "progress_note": "; ".join(traced_note(names) for names in traces),
     }
+
+
+def lead_predictor(
+    lead: TrialConfig, device: torch.device, as_cuda: bool, strategies: tuple[Strategy, ...]
+) -> Predictor | DeepPredictor:
+    """What predicts ``lead`` at every batch size: a deep model from two shallow ones
+    (``harness.trial.depth``), else the whole model, warmed up again at each batch."""
+    make = predictor_maker(device, as_cuda, strategies, rewarm=True)
+    if auto_strategy(strategies) is None:
+        deep, _ = deep_predictor(lead, device, as_cuda, make)
+        if deep is not None:
+            return deep
+    return make(lead, False)
 
 
 def traced_note(names: list[str]) -> str:
@@ -163,13 +184,17 @@ def rows_of(
 
 
 def on_cards(
-    predictor: Predictor, batch: int, cards: list[Card], budgets: dict[str, int | None]
+    predictor: Predictor | DeepPredictor,
+    batch: int,
+    cards: list[Card],
+    budgets: dict[str, int | None],
 ) -> dict[str, Prediction]:
     """``Predictor.predict_on``; for ``checkpoint:auto`` / ``sac:auto``, each card's least
     recomputation that fits its budget, every plan tried traced once for all the cards that
     share it (``harness.trial.recompute.choose_on``)."""
     if auto_strategy(predictor.strategies) is None:
         return predictor.predict_on(batch, cards, budgets)
+    assert isinstance(predictor, Predictor)  # an auto plan is traced whole (lead_predictor)
     limits = {card.name: float(budgets.get(card.name) or card.memory_bytes) for card in cards}
     return choose_on(predictor, lambda: predictor.predict_on(batch, cards, budgets), batch, limits)
 

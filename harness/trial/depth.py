@@ -28,12 +28,13 @@ what deep models are predicted for); a CPU target is traced whole.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from harness.cuda.speed import card_roofline
 from harness.meters.accounting import allocated_bytes
 from harness.meters.block_repeat import (
     FREE,
@@ -106,61 +107,153 @@ def depth_of(config: TrialConfig) -> Depth | str | None:
     return None
 
 
-def predict_by_depth(
-    config: TrialConfig,
-    device: torch.device,
-    as_cuda: bool,
-    shallow_predictor: Callable[[TrialConfig], Any],
-    min_depth: int = MIN_DEPTH,
-) -> tuple[Prediction | None, str]:
-    """``config``'s prediction from two shallow traces, or None and why it must be traced
-    whole ("" where the shortcut does not apply at all: a shallow model, a CPU target).
-    ``shallow_predictor``: a ``Predictor`` of a configuration, tagging its blocks (passed in:
+Make = Callable[[TrialConfig, bool], Any]  # a Predictor of a configuration (tagging blocks?)
+
+
+def deep_predictor(
+    config: TrialConfig, device: torch.device, as_cuda: bool, make: Make, min_depth: int = MIN_DEPTH
+) -> tuple[DeepPredictor | None, str]:
+    """A ``DeepPredictor`` for ``config``, or None and why not where its blocks differ ("" where
+    the shortcut does not apply at all: a shallow model, a CPU target, a family without a
+    depth knob). ``make(config, tag_blocks)``: a ``Predictor`` (passed in:
     ``harness.trial.estimate`` calls this module)."""
     if not (as_cuda or device.type == "cuda"):
         return None, ""
     depth = depth_of(config)
     if isinstance(depth, str):
         return None, f"traced whole: {depth}"
-    if depth is None or depth.blocks < min_depth:
+    if depth is None:
         return None, ""
-    if config.strategy.term("pp") is not None:
-        return None, "pipeline stages traced whole"
-    traces: list[WindowTrace] = []
-    workspaces: list[frozenset[int]] = []  # each trace's library workspaces (allocation ids)
-    attention: list[Counter[str]] = []  # each trace's attention calls by backend
-    predictor: Any = None
-    low, middle = shallow_depth(config)
+    low, _ = shallow_depth(config)
     if depth.blocks < max(min_depth, low + 2):
         return None, ""
-    for blocks in (low, low + 1):
-        shallow = depth.at(config, blocks)
-        if predictor is not None:
-            predictor.close()
-        predictor = shallow_predictor(shallow)
-        prediction = predictor.predict(config.batch_size)
-        if not prediction.ok or predictor.trace is None:
-            predictor.close()
-            return None, ""  # the whole model answers for itself
-        traces.append(predictor.trace)
-        assert predictor.log is not None
-        workspaces.append(frozenset(predictor.log.untracked))
-        attention.append(Counter(predictor.kernels.backends if predictor.kernels else {}))
-    assert predictor is not None
-    try:
-        deep = carried(traces, workspaces, depth.blocks, config, middle)
-    except Irregular as error:
-        predictor.close()
-        return None, f"traced whole: {error}"
-    if predictor.kernels is not None:  # the note counts the full depth's attention calls
-        more = depth.blocks - (low + 1)
-        for backend, count in attention[1].items():
-            predictor.kernels.backends[backend] = count + (count - attention[0][backend]) * more
-    budget = predictor.target.budget(config) if predictor.target is not None else None
-    prediction = predictor.figures(deep, predictor.target, predictor.roofline, budget)
-    predictor.close()
-    note = f"traced {low} and {low + 1} of {depth.blocks} blocks, the rest repeated"
-    return with_note(prediction, note), ""
+    if config.strategy.term("pp") is not None:
+        return None, "traced whole: pipeline stages"
+    return DeepPredictor(config, depth, make), ""
+
+
+class DeepPredictor:
+    """A deep configuration predicted from two shallow models (``Predictor``'s own API, where
+    ``harness estimate`` and ``harness plan`` use it: ``predict``, ``predict_on``,
+    ``retarget``, ``close``), at every batch size and card they are asked for. The two are
+    built afresh for each batch size, one after the other (each lives in a fake world of its
+    own, which cannot stand beside another's); at a few blocks a build costs a second. Where a
+    check fails, it says why in the note and predicts the whole model from then on (built
+    once, on the same strategies)."""
+
+    def __init__(self, config: TrialConfig, depth: Depth, make: Make) -> None:
+        self.config, self.depth, self.make = config, depth, make
+        self.low, self.middle = shallow_depth(config)
+        self.pair: list[Any] = []  # the last window's two predictors (closed)
+        self.strategies = make(config, False).strategies  # nothing built until predicted
+        self.whole: Any = None  # the full model's Predictor, once the shortcut failed
+        self.why = ""  # why it failed
+
+    def __enter__(self) -> DeepPredictor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.whole is not None:
+            self.whole.close()
+
+    def predict(self, batch_size: int) -> Prediction:
+        if self.whole is None:
+            window = self.window(batch_size)
+            if isinstance(window, WindowTrace):
+                deeper = self.pair[1]
+                config = replace(self.config, batch_size=batch_size)
+                return self.on(window, deeper.target, deeper.target.budget(config))
+        assert self.whole is not None  # the window gave up
+        return with_note(self.whole.predict(batch_size), self.why)
+
+    def predict_on(
+        self, batch_size: int, cards: Sequence[Any], budgets: Mapping[str, int | None]
+    ) -> dict[str, Prediction]:
+        """``Predictor.predict_on``: every card in ``cards`` that runs the traced step."""
+        if self.whole is None:
+            window = self.window(batch_size)
+            if isinstance(window, WindowTrace):
+                deeper = self.pair[1]
+                own = deeper.target.card.name
+                config = replace(self.config, batch_size=batch_size)
+                out: dict[str, Prediction] = {}
+                for card in cards:
+                    if card.name == own:
+                        out[card.name] = self.on(
+                            window, deeper.target, deeper.target.budget(config)
+                        )
+                    elif deeper.shares_trace(card):
+                        target = replace(deeper.target, card=card, card_named=True)
+                        out[card.name] = self.on(
+                            window, target, budgets[card.name] or card.memory_bytes
+                        )
+                return out
+        assert self.whole is not None  # the window gave up
+        return {
+            name: with_note(prediction, self.why)
+            for name, prediction in self.whole.predict_on(batch_size, cards, budgets).items()
+        }
+
+    def retarget(self, card: Any, budget: int | None) -> bool:
+        """``Predictor.retarget``: the next windows for ``card`` (the shallow models are built
+        for each window anyway)."""
+        if self.whole is not None and not self.whole.retarget(card, budget):
+            return False
+        self.config = replace(
+            self.config, card=card.to_dict(), device_memory_bytes=budget or card.memory_bytes
+        )
+        return True
+
+    def window(self, batch_size: int) -> WindowTrace | None:
+        """Both shallow steps at ``batch_size``, carried to the full depth; None where that
+        failed (and ``whole`` predicts from then on)."""
+        traces: list[WindowTrace] = []
+        workspaces: list[frozenset[int]] = []
+        self.attention: list[Counter[str]] = []
+        self.pair = []
+        config = replace(self.config, batch_size=batch_size)
+        for blocks in (self.low, self.low + 1):
+            with self.make(self.depth.at(config, blocks), True) as predictor:
+                self.pair.append(predictor)
+                prediction = predictor.predict(batch_size)
+            if not prediction.ok or predictor.trace is None:
+                return self.give_up(batch_size, "")  # the whole model answers for itself
+            traces.append(predictor.trace)
+            workspaces.append(frozenset(predictor.log.untracked))
+            self.attention.append(Counter(predictor.kernels.backends if predictor.kernels else {}))
+        try:
+            return carried(traces, workspaces, self.depth.blocks, self.config, self.middle)
+        except Irregular as error:
+            return self.give_up(batch_size, f"traced whole: {error}")
+
+    def give_up(self, batch_size: int, why: str) -> None:
+        self.why = why
+        self.whole = self.make(replace(self.config, batch_size=batch_size), False)
+
+    def on(self, trace: WindowTrace, target: Any, budget: int | None) -> Prediction:
+        """The carried ``trace`` on ``target``'s card, its note counting the full depth's
+        attention calls."""
+        deeper = self.pair[1]
+        kernels = deeper.kernels
+        kept = Counter(kernels.backends) if kernels is not None else None
+        if kernels is not None:
+            more = self.depth.blocks - (self.low + 1)
+            low, high = self.attention
+            for backend, count in high.items():
+                kernels.backends[backend] = count + (count - low[backend]) * more
+        try:
+            prediction = deeper.figures(trace, target, card_roofline(target.card), budget)
+        finally:
+            if kernels is not None and kept is not None:
+                kernels.backends.clear()
+                kernels.backends.update(kept)
+        note = (
+            f"traced {self.low} and {self.low + 1} of {self.depth.blocks} blocks, the rest repeated"
+        )
+        return with_note(prediction, note)
 
 
 def with_note(prediction: Prediction, note: str) -> Prediction:

@@ -44,7 +44,7 @@ from harness.strategies.lora import NF4_BYTES_PER_PARAM, base_dtype, is_nf4
 from harness.strategies.settings import DEFAULT_LORA
 from harness.trial.calibrate import cpu_roofline
 from harness.trial.config import TrialConfig
-from harness.trial.depth import predict_by_depth, with_note
+from harness.trial.depth import Make, deep_predictor, with_note
 from harness.trial.distributed import Ranks
 from harness.trial.fake import (
     FAKE_REFUSALS,
@@ -144,15 +144,12 @@ def estimate_role(
     auto = auto_strategy(strategies)
     note = ""
     if auto is None:  # a deep model from two shallow traces (harness.trial.depth)
-
-        def shallow(config: TrialConfig) -> Predictor:
-            return Predictor(
-                config, device, as_cuda, strategies=strategies, rank=rank, tag_blocks=True
-            )
-
-        deep, note = predict_by_depth(config, device, as_cuda, shallow)
+        deep, note = deep_predictor(
+            config, device, as_cuda, predictor_maker(device, as_cuda, strategies, rank)
+        )
         if deep is not None:
-            return deep
+            with deep:
+                return deep.predict(config.batch_size)
     # checkpoint:auto / sac:auto try several plans on one build, each warmed up afresh.
     with Predictor(
         config, device, as_cuda, strategies=strategies, rewarm=auto is not None, rank=rank
@@ -160,6 +157,30 @@ def estimate_role(
         if auto is not None:
             return choose(predictor, config.batch_size, predictor.budget())
         return with_note(predictor.predict(config.batch_size), note)
+
+
+def predictor_maker(
+    device: torch.device,
+    as_cuda: bool,
+    strategies: tuple[Strategy, ...],
+    rank: int = 0,
+    rewarm: bool = False,
+) -> Make:
+    """How ``harness.trial.depth`` makes a ``Predictor`` of a configuration (at a shallow
+    depth, its blocks tagged; or whole)."""
+
+    def make(config: TrialConfig, tag_blocks: bool) -> Predictor:
+        return Predictor(
+            config,
+            device,
+            as_cuda,
+            strategies=strategies,
+            rewarm=rewarm,
+            rank=rank,
+            tag_blocks=tag_blocks,
+        )
+
+    return make
 
 
 class Predictor:
