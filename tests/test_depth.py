@@ -84,7 +84,20 @@ def assert_equal_to_the_byte(config: TrialConfig) -> None:
     assert carried == traced
 
 
-@pytest.mark.parametrize("strategy", ["none", "checkpoint", "lora:8", ["lora:8", "checkpoint"]])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "none",
+        "checkpoint",
+        "lora:8",
+        ["lora:8", "checkpoint"],
+        "accumulate:2",
+        "sac",
+        "chunked_ce",
+        "adafactor",
+        "bf16_params",
+    ],
+)
 def test_gpt(strategy):
     assert_equal_to_the_byte(config_of("gpt", GPT, strategy))
 

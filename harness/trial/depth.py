@@ -27,6 +27,7 @@ what deep models are predicted for); a CPU target is traced whole.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -63,6 +64,7 @@ def shallow_depth(config: TrialConfig) -> tuple[int, int]:
 
 
 MIN_DEPTH = 12  # shallower models are traced whole: the two traces would cost as much
+TRACE_WHOLE = "HARNESS_TRACE_WHOLE"  # set (to anything): every model traced whole, as before
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ def depth_of(config: TrialConfig) -> Depth | str | None:
 
 
 Make = Callable[[TrialConfig, bool], Any]  # a Predictor of a configuration (tagging blocks?)
+# One shallow trace: what its window ran, its library workspaces, its attention calls so far.
+Shot = tuple[WindowTrace, frozenset[int], Counter[str]]
 
 
 def deep_predictor(
@@ -117,7 +121,7 @@ def deep_predictor(
     the shortcut does not apply at all: a shallow model, a CPU target, a family without a
     depth knob). ``make(config, tag_blocks)``: a ``Predictor`` (passed in:
     ``harness.trial.estimate`` calls this module)."""
-    if not (as_cuda or device.type == "cuda"):
+    if not (as_cuda or device.type == "cuda") or os.environ.get(TRACE_WHOLE):
         return None, ""
     depth = depth_of(config)
     if isinstance(depth, str):
@@ -148,6 +152,7 @@ class DeepPredictor:
         self.strategies = make(config, False).strategies  # nothing built until predicted
         self.whole: Any = None  # the full model's Predictor, once the shortcut failed
         self.why = ""  # why it failed
+        self.ready: dict[int, list[Shot]] = {}  # batch size -> both shallow traces (prepare)
 
     def __enter__(self) -> DeepPredictor:
         return self
@@ -202,6 +207,7 @@ class DeepPredictor:
         for each window anyway)."""
         if self.whole is not None and not self.whole.retarget(card, budget):
             return False
+        self.ready.clear()  # traced under the last card's kernels
         self.config = replace(
             self.config, card=card.to_dict(), device_memory_bytes=budget or card.memory_bytes
         )
@@ -210,24 +216,43 @@ class DeepPredictor:
     def window(self, batch_size: int) -> WindowTrace | None:
         """Both shallow steps at ``batch_size``, carried to the full depth; None where that
         failed (and ``whole`` predicts from then on)."""
-        traces: list[WindowTrace] = []
-        workspaces: list[frozenset[int]] = []
-        self.attention: list[Counter[str]] = []
-        self.pair = []
-        config = replace(self.config, batch_size=batch_size)
-        for blocks in (self.low, self.low + 1):
-            with self.make(self.depth.at(config, blocks), True) as predictor:
-                self.pair.append(predictor)
-                prediction = predictor.predict(batch_size)
-            if not prediction.ok or predictor.trace is None:
-                return self.give_up(batch_size, "")  # the whole model answers for itself
-            traces.append(predictor.trace)
-            workspaces.append(frozenset(predictor.log.untracked))
-            self.attention.append(Counter(predictor.kernels.backends if predictor.kernels else {}))
+        shots = self.ready.pop(batch_size, None)
+        if shots is None:
+            self.prepare([batch_size])
+            shots = self.ready.pop(batch_size, None)
+        if shots is None:
+            return self.give_up(batch_size, "")  # the whole model answers for itself
+        traces = [trace for trace, _, _ in shots]
+        workspaces = [made_once for _, made_once, _ in shots]
+        self.attention = [attention for _, _, attention in shots]
         try:
             return carried(traces, workspaces, self.depth.blocks, self.config, self.middle)
         except Irregular as error:
             return self.give_up(batch_size, f"traced whole: {error}")
+
+    def prepare(self, batch_sizes: Sequence[int]) -> None:
+        """Trace both shallow models at each of ``batch_sizes``, one model after the other,
+        each built once and warmed up again at every batch (a ``Predictor`` made to rewarm),
+        for ``window`` to carry: a costly build (QLoRA quantizing its NF4 base) is then paid
+        twice per configuration, not twice per batch size. A batch whose shallow step fails is
+        left out (``window`` then gives up on it)."""
+        sizes = sorted(set(batch_sizes))
+        if self.whole is not None or not sizes:
+            return
+        shots: dict[int, list[Shot]] = {size: [] for size in sizes}
+        self.pair = []
+        for blocks in (self.low, self.low + 1):
+            config = self.depth.at(replace(self.config, batch_size=sizes[0]), blocks)
+            with self.make(config, True) as predictor:
+                self.pair.append(predictor)
+                for size in sizes:
+                    prediction = predictor.predict(size)
+                    if not prediction.ok or predictor.trace is None:
+                        continue
+                    backends = predictor.kernels.backends if predictor.kernels else {}
+                    made_once = frozenset(predictor.log.untracked)
+                    shots[size].append((predictor.trace, made_once, Counter(backends)))
+        self.ready = {size: shot for size, shot in shots.items() if len(shot) == 2}
 
     def give_up(self, batch_size: int, why: str) -> None:
         self.why = why
