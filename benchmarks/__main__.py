@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from benchmarks import allocator, estimator, fit, overhead, scale, search, step_time
+from benchmarks import allocator, depth, estimator, fit, overhead, scale, search, step_time
 from benchmarks.figures import Figure
 from benchmarks.published import bench as published
 from benchmarks.published import speed as published_speed
@@ -26,6 +26,7 @@ SUITES = {
     "estimator": estimator.run,
     "allocator": allocator.run,
     "fit": fit.run,
+    "depth": depth.run,
     "step_time": step_time.run,
     "published": published.run,
     "published_speed": published_speed.run,

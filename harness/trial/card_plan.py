@@ -105,8 +105,8 @@ def plan_group(
                 )
                 predictor = lead_predictor(lead, device, as_cuda, strategies)
             missed: set[str] = set()  # cards whose step was not the lead's at some batch
-            if isinstance(predictor, DeepPredictor):  # each shallow model built once
-                predictor.prepare([b for c in pending for b in wanted[c.name]])
+            if isinstance(predictor, DeepPredictor):  # a costly build traces them all at once
+                predictor.expect([b for c in pending for b in wanted[c.name]])
             for batch in batches:
                 live = [c for c in pending if batch in wanted[c.name] and c.name not in over]
                 live = [c for c in live if c.name not in missed]

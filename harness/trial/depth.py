@@ -28,6 +28,7 @@ what deep models are predicted for); a CPU target is traced whole.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -153,6 +154,8 @@ class DeepPredictor:
         self.whole: Any = None  # the full model's Predictor, once the shortcut failed
         self.why = ""  # why it failed
         self.ready: dict[int, list[Shot]] = {}  # batch size -> both shallow traces (prepare)
+        self.expected: list[int] = []  # the batch sizes a caller means to ask for (expect)
+        self.costly_build = False  # the last builds cost more than their windows
 
     def __enter__(self) -> DeepPredictor:
         return self
@@ -218,7 +221,8 @@ class DeepPredictor:
         failed (and ``whole`` predicts from then on)."""
         shots = self.ready.pop(batch_size, None)
         if shots is None:
-            self.prepare([batch_size])
+            later = [size for size in self.expected if size >= batch_size]
+            self.prepare(later if self.costly_build and later else [batch_size])
             shots = self.ready.pop(batch_size, None)
         if shots is None:
             return self.give_up(batch_size, "")  # the whole model answers for itself
@@ -229,6 +233,11 @@ class DeepPredictor:
             return carried(traces, workspaces, self.depth.blocks, self.config, self.middle)
         except Irregular as error:
             return self.give_up(batch_size, f"traced whole: {error}")
+
+    def expect(self, batch_sizes: Sequence[int]) -> None:
+        """The batch sizes the caller means to ask for (``harness plan``'s): where a build
+        costs more than a window, ``window`` traces the ones still to come on one build."""
+        self.expected = sorted(set(batch_sizes))
 
     def prepare(self, batch_sizes: Sequence[int]) -> None:
         """Trace both shallow models at each of ``batch_sizes``, one model after the other,
@@ -241,18 +250,23 @@ class DeepPredictor:
             return
         shots: dict[int, list[Shot]] = {size: [] for size in sizes}
         self.pair = []
+        build = window = 0.0
         for blocks in (self.low, self.low + 1):
             config = self.depth.at(replace(self.config, batch_size=sizes[0]), blocks)
             with self.make(config, True) as predictor:
                 self.pair.append(predictor)
                 for size in sizes:
+                    started = time.perf_counter()
                     prediction = predictor.predict(size)
+                    window += time.perf_counter() - started
                     if not prediction.ok or predictor.trace is None:
                         continue
                     backends = predictor.kernels.backends if predictor.kernels else {}
                     made_once = frozenset(predictor.log.untracked)
                     shots[size].append((predictor.trace, made_once, Counter(backends)))
+                build += predictor.build_seconds
         self.ready = {size: shot for size, shot in shots.items() if len(shot) == 2}
+        self.costly_build = build > window - build
 
     def give_up(self, batch_size: int, why: str) -> None:
         self.why = why
@@ -328,7 +342,8 @@ def carried(
     }
     if len(offsets) != 1:
         raise Irregular("the log's live bytes do not follow tensor accounting's peak")
-    if tracked_peak(history, events, fixed) - offsets.pop() != peak:
+    offset = offsets.pop()
+    if tracked_peak(history, events, fixed) - offset != peak:
         raise Irregular("the peak falls elsewhere in the step at full depth")
     return WindowTrace(
         config=config,
@@ -345,7 +360,9 @@ def carried(
         num_params_total=grown(shallow.num_params_total, deeper.num_params_total),
         num_params_nf4=grown(shallow.num_params_nf4, deeper.num_params_nf4),
         model_state=grown(shallow.model_state, deeper.model_state),
-        totals=None,
+        # fit's moments: the live total after every allocation of the full-depth log (not
+        # tensor accounting's after every op: that list is not carried), as fit asks for them
+        totals=live_totals(history, events, fixed, offset) if deeper.totals is not None else None,
     )
 
 
@@ -377,6 +394,29 @@ def grown_costs(shallow: StepCosts, deeper: StepCosts, more: int) -> StepCosts:
     for call, count in block.items():
         calls.extend([call] * (count * more))
     return StepCosts(calls=calls, steps=deeper.steps)
+
+
+def live_totals(
+    history: Sequence[tuple[int, int]],
+    window: Sequence[tuple[int, int]],
+    fixed: frozenset[int],
+    offset: float,
+) -> list[int]:
+    """The bytes tensors hold after every allocation of ``window`` (after ``history``), as
+    ``tracked_peak`` counts them, less ``offset`` (what tensor accounting never saw)."""
+    live: dict[int, int] = {}
+    total = -int(offset)
+    out: list[int] = []
+    cuda = torch.device("cuda")
+    for index, (ident, size) in enumerate([*history, *window]):
+        if size >= 0 and ident not in fixed:
+            live[ident] = allocated_bytes(size, cuda)
+            total += live[ident]
+            if index >= len(history):
+                out.append(total)
+        elif size == FREE:
+            total -= live.pop(ident, 0)
+    return out
 
 
 def tracked_peak(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -165,6 +166,8 @@ def predictor_maker(
     strategies: tuple[Strategy, ...],
     rank: int = 0,
     rewarm: bool = False,
+    steps_run: int | None = None,
+    totals: bool = False,
 ) -> Make:
     """How ``harness.trial.depth`` makes a ``Predictor`` of a configuration (at a shallow
     depth, its blocks tagged; or whole)."""
@@ -174,6 +177,8 @@ def predictor_maker(
             config,
             device,
             as_cuda,
+            steps_run=steps_run,
+            totals=totals,
             strategies=strategies,
             rewarm=rewarm,
             rank=rank,
@@ -259,6 +264,7 @@ class Predictor:
         self.warmed_at: int | None = None  # the batch size of the last warm-up
         self.window_made: set[int] = set()  # allocations of the memory windows' steps
         self.values: ValuesReadAsOne | None = None  # the fake world's, once built
+        self.build_seconds = 0.0  # what the last build (and its warm-up) took
 
     def __enter__(self) -> Predictor:
         return self
@@ -387,7 +393,9 @@ class Predictor:
     def predict(self, batch_size: int) -> Prediction:
         """The prediction at ``batch_size`` (see ``estimate_peak``)."""
         if self.setup is None and self.failure is None:
+            started = time.perf_counter()
             self.build()
+            self.build_seconds = time.perf_counter() - started
         if self.failure is not None:
             return self.failure
         assert self.setup is not None
