@@ -2,7 +2,8 @@
 trace to the byte: the allocated, reserved and device figures, the breakdown, the model state,
 the parameter counts, the step's FLOPs and time. Each case traces the model whole too, at 8 or
 9 blocks, and compares every field of the two predictions (the note aside, which says which
-path was taken)."""
+path was taken). Those comparisons trace each model three times: marked ``slow`` (``make test``
+runs them; the other torch releases' fast runs take the fallback's test only)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def assert_equal_to_the_byte(config: TrialConfig) -> None:
     assert carried == traced
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -102,15 +104,18 @@ def test_gpt(strategy):
     assert_equal_to_the_byte(config_of("gpt", GPT, strategy))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [["lora:8", "checkpoint"], "qlora:8"])
 def test_hf_llama_with_grouped_query_attention(strategy):
     assert_equal_to_the_byte(config_of("hf", LLAMA, strategy))
 
 
+@pytest.mark.slow
 def test_hf_qwen2():
     assert_equal_to_the_byte(config_of("hf", QWEN2, "none"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "size", "strategy"), [("gpt", GPT, "fsdp:2"), ("hf", LLAMA, "tp:2")]
 )
@@ -120,11 +125,13 @@ def test_model_parallel_rank_zero(family, size, strategy):
     assert_equal_to_the_byte(config_of(family, size, strategy))
 
 
+@pytest.mark.slow
 def test_timm_vit():
     pytest.importorskip("timm")
     assert_equal_to_the_byte(config_of("timm", VIT, "none", IMAGES))
 
 
+@pytest.mark.slow
 def test_estimate_takes_the_shortcut_only_where_it_applies():
     """``estimate_peak`` takes it for a deep CUDA target (12 blocks and more), and not for a
     CPU target or a shallow model; its answer is the full trace's."""
@@ -152,6 +159,7 @@ def test_blocks_that_differ_are_traced_whole_and_the_note_says_so():
     assert prediction.ok and "traced whole" in prediction.note and "layer_types" in prediction.note
 
 
+@pytest.mark.slow
 def test_plan_carries_every_card_and_batch():
     """``harness plan``'s tool takes the same path: two shallow models per batch size, the
     carried trace replayed for every card that runs the same step; each row's figures equal
@@ -183,6 +191,7 @@ def test_plan_carries_every_card_and_batch():
             assert row[figure] == expected[figure], (row["card"], row["batch_size"], figure)
 
 
+@pytest.mark.slow
 def test_fit_answers_as_the_whole_trace_does(monkeypatch):
     """``harness fit``'s search on the carried model (its moments from the full-depth log)
     gives the answer the whole model's search gives, and at it the figures a fresh estimate at
