@@ -360,7 +360,9 @@ def carried(
         num_params_total=grown(shallow.num_params_total, deeper.num_params_total),
         num_params_nf4=grown(shallow.num_params_nf4, deeper.num_params_nf4),
         model_state=grown(shallow.model_state, deeper.model_state),
-        totals=None,  # fit's moments: fit traces whole (two builds a prediction cost it more)
+        # fit's moments: the live total after every allocation of the full-depth log (not
+        # tensor accounting's after every op: that list is not carried), as fit asks for them
+        totals=live_totals(history, events, fixed, offset) if deeper.totals is not None else None,
     )
 
 
@@ -392,6 +394,29 @@ def grown_costs(shallow: StepCosts, deeper: StepCosts, more: int) -> StepCosts:
     for call, count in block.items():
         calls.extend([call] * (count * more))
     return StepCosts(calls=calls, steps=deeper.steps)
+
+
+def live_totals(
+    history: Sequence[tuple[int, int]],
+    window: Sequence[tuple[int, int]],
+    fixed: frozenset[int],
+    offset: float,
+) -> list[int]:
+    """The bytes tensors hold after every allocation of ``window`` (after ``history``), as
+    ``tracked_peak`` counts them, less ``offset`` (what tensor accounting never saw)."""
+    live: dict[int, int] = {}
+    total = -int(offset)
+    out: list[int] = []
+    cuda = torch.device("cuda")
+    for index, (ident, size) in enumerate([*history, *window]):
+        if size >= 0 and ident not in fixed:
+            live[ident] = allocated_bytes(size, cuda)
+            total += live[ident]
+            if index >= len(history):
+                out.append(total)
+        elif size == FREE:
+            total -= live.pop(ident, 0)
+    return out
 
 
 def tracked_peak(

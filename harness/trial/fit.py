@@ -37,7 +37,14 @@ import torch
 from harness.contract import DEFAULT_FIT_MAX
 from harness.cuda.device_memory import DeviceMemory
 from harness.trial.config import TrialConfig
-from harness.trial.estimate import Predictor, bubble_factor, replay_for_budget, worst_stage
+from harness.trial.depth import deep_predictor
+from harness.trial.estimate import (
+    Predictor,
+    bubble_factor,
+    predictor_maker,
+    replay_for_budget,
+    worst_stage,
+)
 from harness.trial.prediction import PEAK, Prediction
 from harness.trial.recompute import auto_strategy, choose
 from harness.trial.tool import serve
@@ -331,18 +338,20 @@ def fit_config(
         elif axis == "batch_size":  # one model, built once, predicted at every batch size
             # checkpoint:auto / sac:auto: the curve is every block recomputed (the most that
             # fits); at each answer, the least recomputation (another plan: warmed up afresh).
-            predictor = stack.enter_context(
-                Predictor(
-                    at_value(config, axis, step),
-                    device,
-                    as_cuda,
-                    steps_run=1,
-                    totals=True,
-                    rewarm=auto,
+            first = at_value(config, axis, step)
+            deep = None
+            if not auto:  # a deep model from two shallow ones (harness.trial.depth)
+                make = predictor_maker(
+                    device, as_cuda, first.strategy.build(), steps_run=1, totals=True
                 )
+                deep, _ = deep_predictor(first, device, as_cuda, make)
+            predictor = stack.enter_context(
+                deep or Predictor(first, device, as_cuda, steps_run=1, totals=True, rewarm=auto)
             )
             curve = Curve(predictor.predict, step)
-            least = least_recomputation(predictor) if auto else None
+            least = None
+            if auto and isinstance(predictor, Predictor):  # an auto plan is never carried
+                least = least_recomputation(predictor)
         else:  # the sequence length shapes the model: each value builds its own
             curve = Curve(lambda v: predict_fresh(at_value(config, axis, v), device, as_cuda), step)
             least = None
