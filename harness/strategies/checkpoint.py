@@ -18,6 +18,7 @@ own ``gradient_checkpointing_enable`` (non-reentrant), as a Trainer script would
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -134,6 +135,17 @@ class BlockRecomputation:
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
 
+def fitted(modes: tuple[str, ...] | None, count: int) -> tuple[str, ...]:
+    """``modes`` for a model of ``count`` blocks: None is every block in full; a plan made for
+    another depth applies only where it treats every block alike (else it is returned as it
+    is, and does not fit)."""
+    if modes is None:
+        return (FULL,) * count
+    if len(modes) != count and len(set(modes)) == 1:
+        return (modes[0],) * count
+    return modes
+
+
 def describe(modes: tuple[str, ...]) -> str:
     """Which blocks do what, e.g. ``full: 0-2; keep: 3-7``."""
     parts = []
@@ -168,6 +180,10 @@ class Checkpoint(Strategy):
         # of the model it was last applied to.
         self.modes: tuple[str, ...] | None = None
         self.recomputation: BlockRecomputation | None = None
+        # Every model still alive that this strategy prepared: a deep model's prediction
+        # builds shallow copies beside the whole one (``harness.trial.depth``), and a plan
+        # set later is every one's.
+        self.applied: weakref.WeakSet[BlockRecomputation] = weakref.WeakSet()
         self.order: list[int] | None = None  # blocks in the order auto recomputes them
 
     def checkpoint_options(self) -> dict[str, Any]:
@@ -180,11 +196,21 @@ class Checkpoint(Strategy):
         return {}
 
     def set_modes(self, modes: tuple[str, ...] | None) -> None:
-        """``:auto``: the plan for this and every later model (None: all in full)."""
+        """``:auto``: the plan for every model prepared and every later one (None: all in
+        full). A plan that treats every block alike is any depth's (a shallow copy's too)."""
         self.modes = modes
-        if self.recomputation is not None:
-            count = len(self.recomputation.blocks)
-            self.recomputation.modes = modes or (FULL,) * count
+        for recomputation in self.applied:
+            recomputation.modes = fitted(modes, len(recomputation.blocks))
+            if len(recomputation.modes) != len(recomputation.blocks):
+                # a shallow copy the deep model's prediction is done with (it predicts only
+                # plans that treat every block alike): in full until it is used again
+                recomputation.modes = (FULL,) * len(recomputation.blocks)
+
+    def uniform_mode(self) -> str | None:
+        """The one mode of a plan that treats every block alike (None: a plan that does not)."""
+        if self.modes is None:
+            return FULL
+        return self.modes[0] if len(set(self.modes)) == 1 else None
 
     def plan(self, full: list[int], count: int) -> tuple[str, ...]:
         """The blocks ``full`` recomputed in full, the others ``rest_mode``."""
@@ -194,7 +220,13 @@ class Checkpoint(Strategy):
     def prepare_auto(self, model: nn.Module, ctx: TrialContext) -> nn.Module:
         where, blocks = repeated_blocks(model)
         self.recomputation = BlockRecomputation(blocks, self.sac_options())
+        self.applied.add(self.recomputation)
         self.set_modes(self.modes)
+        if self.modes is not None and len(fitted(self.modes, len(blocks))) != len(blocks):
+            raise StrategyError(
+                f"{self.name}:auto: a plan for {len(self.modes)} blocks does not apply to "
+                f"{where}'s {len(blocks)} blocks"
+            )
         modes = self.recomputation.modes
         full = modes.count(FULL)
         rest = len(blocks) - full

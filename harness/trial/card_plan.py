@@ -141,11 +141,8 @@ def lead_predictor(
     """What predicts ``lead`` at every batch size: a deep model from two shallow ones
     (``harness.trial.depth``), else the whole model, warmed up again at each batch."""
     make = predictor_maker(device, as_cuda, strategies, rewarm=True)
-    if auto_strategy(strategies) is None:
-        deep, _ = deep_predictor(lead, device, as_cuda, make)
-        if deep is not None:
-            return deep
-    return make(lead, False)
+    deep, _ = deep_predictor(lead, device, as_cuda, make)
+    return deep if deep is not None else make(lead, False)
 
 
 def traced_note(names: list[str]) -> str:
@@ -196,7 +193,6 @@ def on_cards(
     share it (``harness.trial.recompute.choose_on``)."""
     if auto_strategy(predictor.strategies) is None:
         return predictor.predict_on(batch, cards, budgets)
-    assert isinstance(predictor, Predictor)  # an auto plan is traced whole (lead_predictor)
     limits = {card.name: float(budgets.get(card.name) or card.memory_bytes) for card in cards}
     return choose_on(predictor, lambda: predictor.predict_on(batch, cards, budgets), batch, limits)
 

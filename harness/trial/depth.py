@@ -48,6 +48,7 @@ from harness.meters.block_repeat import (
 from harness.meters.op_costs import StepCosts
 from harness.trial.config import TrialConfig
 from harness.trial.prediction import Prediction
+from harness.trial.recompute import auto_strategy, block_keys, in_order
 from harness.trial.window_trace import WindowTrace
 
 SHALLOW = 5  # blocks of the shallower trace; the deeper has one more
@@ -111,6 +112,10 @@ def depth_of(config: TrialConfig) -> Depth | str | None:
 
 
 Make = Callable[[TrialConfig, bool], Any]  # a Predictor of a configuration (tagging blocks?)
+# checkpoint:auto / sac:auto: a plan that recomputes some blocks in full and not others is no repeat
+# of one block, so its model is traced whole (the plans that treat every block alike are
+# carried: every block in full, none).
+MIXED_PLAN = "traced whole: a plan that recomputes some blocks in full and not others"
 # One shallow trace: what its window ran, its library workspaces, its attention calls so far.
 Shot = tuple[WindowTrace, frozenset[int], Counter[str]]
 
@@ -139,21 +144,27 @@ def deep_predictor(
 
 class DeepPredictor:
     """A deep configuration predicted from two shallow models (``Predictor``'s own API, where
-    ``harness estimate`` and ``harness plan`` use it: ``predict``, ``predict_on``,
-    ``retarget``, ``close``), at every batch size and card they are asked for. The two are
-    built afresh for each batch size, one after the other (each lives in a fake world of its
-    own, which cannot stand beside another's); at a few blocks a build costs a second. Where a
-    check fails, it says why in the note and predicts the whole model from then on (built
-    once, on the same strategies)."""
+    ``harness estimate``, ``plan`` and ``fit`` use it: ``predict``, ``predict_on``,
+    ``retarget``, ``close``; for ``checkpoint:auto`` / ``sac:auto`` also ``replanned``,
+    ``block_count``, ``block_order``), at every batch size and card they are asked for. The
+    two are built afresh for each batch size, one after the other (each lives in a fake world
+    of its own, which cannot stand beside another's); at a few blocks a build costs a second.
+    Where a check fails, it says why in the note and predicts the whole model from then on
+    (built once, on the same strategies). An auto plan that treats blocks unalike is predicted
+    by the whole model (``mixed``, built when first needed, warmed up again at each plan)."""
 
     def __init__(self, config: TrialConfig, depth: Depth, make: Make) -> None:
         self.config, self.depth, self.make = config, depth, make
         self.low, self.middle = shallow_depth(config)
-        self.pair: list[Any] = []  # the last window's two predictors (closed)
+        self.pair: list[Any] = []  # the window's two predictors (closed)
+        self.attention: list[Counter[str]] = []  # their attention calls, by backend
         self.strategies = make(config, False).strategies  # nothing built until predicted
         self.whole: Any = None  # the full model's Predictor, once the shortcut failed
         self.why = ""  # why it failed
-        self.ready: dict[int, list[Shot]] = {}  # batch size -> both shallow traces (prepare)
+        self.auto = auto_strategy(self.strategies)
+        self.mixed: Any = None  # the full model's Predictor for an auto plan's mixed plans
+        # (the auto plan, batch size) -> both shallow traces and their predictors (prepare)
+        self.ready: dict[tuple[str | None, int], tuple[list[Shot], list[Any]]] = {}
         self.expected: list[int] = []  # the batch sizes a caller means to ask for (expect)
         self.costly_build = False  # the last builds cost more than their windows
 
@@ -164,24 +175,39 @@ class DeepPredictor:
         self.close()
 
     def close(self) -> None:
+        for predictor in (self.whole, self.mixed):
+            if predictor is not None:
+                predictor.close()
+
+    def plan(self) -> str | None:
+        """What the auto strategy does to every block ("" without one); None where its plan
+        treats blocks unalike."""
+        return "" if self.auto is None else self.auto.uniform_mode()
+
+    def whole_predictor(self, batch_size: int) -> tuple[Any, str]:
+        """The full model's ``Predictor`` where a prediction is not carried, and why not: the
+        shortcut failed, or the auto plan treats blocks unalike."""
         if self.whole is not None:
-            self.whole.close()
+            return self.whole, self.why
+        if self.mixed is None:
+            self.mixed = self.make(replace(self.config, batch_size=batch_size), False)
+        return self.mixed, MIXED_PLAN
 
     def predict(self, batch_size: int) -> Prediction:
-        if self.whole is None:
+        if self.whole is None and self.plan() is not None:
             window = self.window(batch_size)
             if isinstance(window, WindowTrace):
                 deeper = self.pair[1]
                 config = replace(self.config, batch_size=batch_size)
                 return self.on(window, deeper.target, deeper.target.budget(config))
-        assert self.whole is not None  # the window gave up
-        return with_note(self.whole.predict(batch_size), self.why)
+        predictor, why = self.whole_predictor(batch_size)  # the window gave up, or a mixed plan
+        return with_note(predictor.predict(batch_size), why)
 
     def predict_on(
         self, batch_size: int, cards: Sequence[Any], budgets: Mapping[str, int | None]
     ) -> dict[str, Prediction]:
         """``Predictor.predict_on``: every card in ``cards`` that runs the traced step."""
-        if self.whole is None:
+        if self.whole is None and self.plan() is not None:
             window = self.window(batch_size)
             if isinstance(window, WindowTrace):
                 deeper = self.pair[1]
@@ -199,17 +225,53 @@ class DeepPredictor:
                             window, target, budgets[card.name] or card.memory_bytes
                         )
                 return out
-        assert self.whole is not None  # the window gave up
+        predictor, why = self.whole_predictor(batch_size)  # the window gave up, or a mixed plan
         return {
-            name: with_note(prediction, self.why)
-            for name, prediction in self.whole.predict_on(batch_size, cards, budgets).items()
+            name: with_note(prediction, why)
+            for name, prediction in predictor.predict_on(batch_size, cards, budgets).items()
         }
+
+    def replanned(self) -> None:
+        """``Predictor.replanned``: the whole models warm up again under the next plan (the
+        shallow ones are built for each window, and their traces are kept by plan)."""
+        for predictor in (self.whole, self.mixed):
+            if predictor is not None:
+                predictor.replanned()
+
+    def block_count(self) -> int:
+        return self.depth.blocks
+
+    def block_order(self, batch_size: int) -> list[int]:
+        """``Predictor.block_order`` of the full model, from a shallow copy's: its first and
+        last blocks ranked as they are, its middle blocks (alike, so one rank: the full
+        model's middle blocks are the same block) standing for every middle block; where
+        they rank apart, the full model's own."""
+        if self.whole is not None:
+            return self.whole.block_order(batch_size)
+        config = self.depth.at(replace(self.config, batch_size=batch_size), self.low)
+        with self.make(config, False) as shallow:
+            shallow.build()
+            keys = block_keys(shallow, batch_size) if shallow.setup is not None else []
+        if len(keys) == self.low and len(set(keys[1:-1])) == 1:
+            middle = [keys[1]] * (self.depth.blocks - 2)
+            return in_order([keys[0], *middle, keys[-1]])
+        mixed, _ = self.whole_predictor(batch_size)
+        if mixed.setup is None:
+            mixed.build()
+        return mixed.block_order(batch_size)
+
+    def budget(self) -> int | None:
+        """``Predictor.budget``: the bytes a trial of the configuration may use."""
+        return self.make(self.config, False).budget()
 
     def retarget(self, card: Any, budget: int | None) -> bool:
         """``Predictor.retarget``: the next windows for ``card`` (the shallow models are built
         for each window anyway)."""
         if self.whole is not None and not self.whole.retarget(card, budget):
             return False
+        if self.mixed is not None and not self.mixed.retarget(card, budget):
+            self.mixed.close()  # built again when a mixed plan is next asked for
+            self.mixed = None
         self.ready.clear()  # traced under the last card's kernels
         self.config = replace(
             self.config, card=card.to_dict(), device_memory_bytes=budget or card.memory_bytes
@@ -219,13 +281,14 @@ class DeepPredictor:
     def window(self, batch_size: int) -> WindowTrace | None:
         """Both shallow steps at ``batch_size``, carried to the full depth; None where that
         failed (and ``whole`` predicts from then on)."""
-        shots = self.ready.pop(batch_size, None)
-        if shots is None:
+        ready = self.ready.pop((self.plan(), batch_size), None)
+        if ready is None:
             later = [size for size in self.expected if size >= batch_size]
             self.prepare(later if self.costly_build and later else [batch_size])
-            shots = self.ready.pop(batch_size, None)
-        if shots is None:
+            ready = self.ready.pop((self.plan(), batch_size), None)
+        if ready is None:
             return self.give_up(batch_size, "")  # the whole model answers for itself
+        shots, self.pair = ready
         traces = [trace for trace, _, _ in shots]
         workspaces = [made_once for _, made_once, _ in shots]
         self.attention = [attention for _, _, attention in shots]
@@ -249,12 +312,12 @@ class DeepPredictor:
         if self.whole is not None or not sizes:
             return
         shots: dict[int, list[Shot]] = {size: [] for size in sizes}
-        self.pair = []
+        pair: list[Any] = []
         build = window = 0.0
         for blocks in (self.low, self.low + 1):
             config = self.depth.at(replace(self.config, batch_size=sizes[0]), blocks)
             with self.make(config, True) as predictor:
-                self.pair.append(predictor)
+                pair.append(predictor)
                 for size in sizes:
                     started = time.perf_counter()
                     prediction = predictor.predict(size)
@@ -265,7 +328,10 @@ class DeepPredictor:
                     made_once = frozenset(predictor.log.untracked)
                     shots[size].append((predictor.trace, made_once, Counter(backends)))
                 build += predictor.build_seconds
-        self.ready = {size: shot for size, shot in shots.items() if len(shot) == 2}
+        plan = self.plan()
+        for size, shot in shots.items():
+            if len(shot) == 2:
+                self.ready[plan, size] = (shot, pair)
         self.costly_build = build > window - build
 
     def give_up(self, batch_size: int, why: str) -> None:

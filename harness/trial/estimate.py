@@ -54,7 +54,7 @@ from harness.trial.fake import (
     libraries_run_eagerly,
 )
 from harness.trial.prediction import CardFigures, Prediction, SpeedFigures
-from harness.trial.recompute import auto_strategy, choose
+from harness.trial.recompute import auto_strategy, block_order, choose
 from harness.trial.setup import Setup, build_setup
 from harness.trial.target import CudaTarget, cuda_rules, cuda_target, target_note
 from harness.trial.window_trace import WindowTrace
@@ -143,15 +143,15 @@ def estimate_role(
 ) -> Prediction:
     """The prediction for ``rank``'s role on the mesh (``Layout.roles``)."""
     auto = auto_strategy(strategies)
-    note = ""
-    if auto is None:  # a deep model from two shallow traces (harness.trial.depth)
-        deep, note = deep_predictor(
-            config, device, as_cuda, predictor_maker(device, as_cuda, strategies, rank)
-        )
-        if deep is not None:
-            with deep:
-                return deep.predict(config.batch_size)
-    # checkpoint:auto / sac:auto try several plans on one build, each warmed up afresh.
+    # A deep model from two shallow traces (harness.trial.depth); checkpoint:auto / sac:auto
+    # try several plans, each warmed up afresh.
+    make = predictor_maker(device, as_cuda, strategies, rank, rewarm=auto is not None)
+    deep, note = deep_predictor(config, device, as_cuda, make)
+    if deep is not None:
+        with deep:
+            if auto is not None:
+                return choose(deep, config.batch_size, deep.budget())
+            return deep.predict(config.batch_size)
     with Predictor(
         config, device, as_cuda, strategies=strategies, rewarm=auto is not None, rank=rank
     ) as predictor:
@@ -363,6 +363,16 @@ class Predictor:
         next prediction warms up again under it, as a fresh process would, where the warm-up
         shapes what is predicted (a CUDA target's allocator history)."""
         self.warmed_at = None
+
+    def block_count(self) -> int:
+        """How many blocks ``checkpoint:auto`` / ``sac:auto`` plan for (the built model's)."""
+        strategy = auto_strategy(self.strategies)
+        assert strategy is not None and strategy.recomputation is not None
+        return len(strategy.recomputation.blocks)
+
+    def block_order(self, batch_size: int) -> list[int]:
+        """The order ``checkpoint:auto`` / ``sac:auto`` recompute the built model's blocks in."""
+        return block_order(self, batch_size)
 
     def rewarmed(self, batch_size: int) -> bool:
         """Back to the state the build left (no gradients, no optimizer state), then warmed up

@@ -37,7 +37,7 @@ import torch
 from harness.contract import DEFAULT_FIT_MAX
 from harness.cuda.device_memory import DeviceMemory
 from harness.trial.config import TrialConfig
-from harness.trial.depth import deep_predictor
+from harness.trial.depth import DeepPredictor, deep_predictor
 from harness.trial.estimate import (
     Predictor,
     bubble_factor,
@@ -339,26 +339,21 @@ def fit_config(
             # checkpoint:auto / sac:auto: the curve is every block recomputed (the most that
             # fits); at each answer, the least recomputation (another plan: warmed up afresh).
             first = at_value(config, axis, step)
-            deep = None
-            if not auto:  # a deep model from two shallow ones (harness.trial.depth)
-                make = predictor_maker(
-                    device, as_cuda, first.strategy.build(), steps_run=1, totals=True
-                )
-                deep, _ = deep_predictor(first, device, as_cuda, make)
-            predictor = stack.enter_context(
-                deep or Predictor(first, device, as_cuda, steps_run=1, totals=True, rewarm=auto)
+            # a deep model from two shallow ones (harness.trial.depth)
+            make = predictor_maker(
+                device, as_cuda, first.strategy.build(), steps_run=1, totals=True, rewarm=auto
             )
+            deep, _ = deep_predictor(first, device, as_cuda, make)
+            predictor = stack.enter_context(deep or make(first, False))
             curve = Curve(predictor.predict, step)
-            least = None
-            if auto and isinstance(predictor, Predictor):  # an auto plan is never carried
-                least = least_recomputation(predictor)
+            least = least_recomputation(predictor) if auto else None
         else:  # the sequence length shapes the model: each value builds its own
             curve = Curve(lambda v: predict_fresh(at_value(config, axis, v), device, as_cuda), step)
             least = None
         return answers(curve, budgets, maximum, quadratic=axis == "seq_len", least=least)
 
 
-def least_recomputation(predictor: Predictor) -> Callable[[int, int], Prediction]:
+def least_recomputation(predictor: Predictor | DeepPredictor) -> Callable[[int, int], Prediction]:
     """``checkpoint:auto`` / ``sac:auto`` at an answer: the least recomputation that fits the
     budget at that batch (``harness.trial.recompute``), the predictor then back on every block
     recomputed, the plan the curve is made of.

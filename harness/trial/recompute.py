@@ -48,9 +48,20 @@ def auto_strategy(strategies: tuple[Strategy, ...]) -> Checkpoint | None:
 
 def block_order(predictor: Any, batch_size: int) -> list[int]:
     """The blocks in the order they are recomputed in full: most saved bytes per recomputed
-    FLOP first (one forward on the fake model, every block kept, measures both per block:
-    the bytes autograd saves inside it, parameters left out, and its FLOPs), equal blocks
-    earliest first."""
+    FLOP first, equal blocks earliest first."""
+    return in_order(block_keys(predictor, batch_size))
+
+
+def in_order(keys: list[int]) -> list[int]:
+    """Blocks ranked by ``block_keys``: the smallest key first, equal keys earliest first."""
+    return sorted(range(len(keys)), key=lambda index: (keys[index], index))
+
+
+def block_keys(predictor: Any, batch_size: int) -> list[int]:
+    """Each block's rank key: minus its saved bytes per recomputed FLOP on a log scale of
+    ``EQUAL_RATIO`` steps (one forward on the fake model, every block kept, measures both per
+    block: the bytes autograd saves inside it, parameters left out, and its FLOPs); blocks
+    that save alike share a key."""
     setup, strategy = predictor.setup, auto_strategy(predictor.strategies)
     assert setup is not None and strategy is not None and strategy.recomputation is not None
     blocks = strategy.recomputation.blocks
@@ -104,11 +115,11 @@ def block_order(predictor: Any, batch_size: int) -> list[int]:
         for handle in handles:
             handle.remove()
 
-    def rank(index: int) -> tuple[int, int]:
+    def key(index: int) -> int:
         ratio = max(saved[index], 1) / max(flops[index], 1)
-        return (-round(math.log(ratio) / math.log(EQUAL_RATIO)), index)
+        return -round(math.log(ratio) / math.log(EQUAL_RATIO))
 
-    return sorted(range(len(blocks)), key=rank)
+    return [key(index) for index in range(len(blocks))]
 
 
 def fits_budget(prediction: Prediction | None, budget: float) -> bool:
@@ -157,7 +168,10 @@ def choose(predictor: Any, batch_size: int, budget: float | None) -> Prediction:
     strategy, the choice described in ``Prediction.recomputation``. Over budget with every
     block recomputed: that prediction (the trial is then ``infeasible``). ``predictor`` is
     the configuration's ``harness.trial.estimate.Predictor`` (``rewarm=True`` for a CUDA
-    target: each plan is warmed up as a fresh process would)."""
+    target: each plan is warmed up as a fresh process would) or a deep model's
+    ``harness.trial.depth.DeepPredictor`` (the plans that treat every block alike carried
+    from shallow copies, the others traced whole); it tells how many blocks the model has
+    (``block_count``) and in which order they are recomputed (``block_order``)."""
     strategy = auto_strategy(predictor.strategies)
     assert strategy is not None
     if budget is None:
@@ -183,12 +197,18 @@ def choose_on(
     assert strategy is not None
     name = f"{strategy.name}:auto"
     tried: dict[int, dict[str, Prediction]] = {}
-    order: list[int] = []
     count = 0
+
+    def plan(full: int) -> tuple[str, ...]:
+        if 0 < full < count and strategy.order is None:  # the ratios do not depend on the batch
+            strategy.order = predictor.block_order(batch_size)  # asked only where it matters
+        return strategy.plan(
+            (strategy.order or [])[:full] if full < count else list(range(count)), count
+        )
 
     def at(full: int) -> dict[str, Prediction]:
         if full not in tried:
-            strategy.set_modes(strategy.plan(order[:full], count))
+            strategy.set_modes(plan(full))
             predictor.replanned()
             tried[full] = predict()
         return tried[full]
@@ -199,11 +219,8 @@ def choose_on(
     most = predict()
     if strategy.recomputation is None or not any(p.ok for p in most.values()):
         return most
-    count = len(strategy.recomputation.blocks)
+    count = predictor.block_count()
     tried[count] = most
-    if strategy.order is None:  # the blocks' ratios do not depend on the batch
-        strategy.order = block_order(predictor, batch_size)
-    order = strategy.order
     chosen: dict[str, tuple[int, str]] = {}
     for card, budget in budgets.items():
         if card not in most:
@@ -227,7 +244,6 @@ def choose_on(
             chosen[card] = (full, f"{full} of {count} blocks in full, the fewest that fit")
     out = dict(most)
     for card, (full, why) in chosen.items():
-        plan = strategy.plan(order[:full], count)
         prediction = tried[full][card]
         steps = ", ".join(
             f"{k} -> {format_bytes(answer[card].judged_bytes or 0)}"
@@ -236,11 +252,11 @@ def choose_on(
         )
         runs = len(tried)
         text = (
-            f"{name} for {format_bytes(budgets[card])}: {why} ({describe(plan)}); predicted "
+            f"{name} for {format_bytes(budgets[card])}: {why} ({describe(plan(full))}); predicted "
             f"peak by blocks in full: {steps} ({runs} prediction{'s' if runs > 1 else ''})"
         )
         out[card] = replace(prediction, recomputation=text)
     if len(chosen) == 1:  # one budget: its plan is the one the trial applies
         ((full, _),) = chosen.values()
-        strategy.set_modes(strategy.plan(order[:full], count))
+        strategy.set_modes(plan(full))
     return out
