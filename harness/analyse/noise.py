@@ -64,20 +64,50 @@ def noise_reason(row: Row) -> str | None:
     return "; ".join(reasons) or None
 
 
-# Two steady throughputs closer than this (relative to the larger) are not told apart: the
-# noise rule accepts timed steps that vary up to MAX_CV as steady, so a difference below that
-# spread can come from the steps alone, and a rerun may reverse it.
-TIE_MARGIN = MAX_CV
+# The least spread a throughput is given: two runs of one steady loop differ by a few percent
+# more than the timed steps of one run vary (the process's placement, its allocator's
+# state), so a figure is never taken as finer than +-5 %: two steady throughputs less than
+# about 10 % apart tie, as the noise rule calls steps varying up to MAX_CV steady.
+SPREAD_FLOOR = MAX_CV / 2
+TIE_MARGIN = MAX_CV  # the gap (relative to the larger) under which two steady figures tie
+
+
+def throughput_interval(row: Row) -> tuple[float, float] | None:
+    """Where a trial's throughput could lie, from what was measured of it: the timed steps'
+    spread (``step_time_cv``, ``step_time_ms_p90`` over ``_p50``; at least ``SPREAD_FLOOR``)
+    either side, and above that what competition for the CPU can explain: more torch threads
+    than free cores slow a parallel region by up to threads / free cores (at least one core is
+    the trial's own), CPU steal by 1 / (1 - steal). Bounded on purpose: a flagged trial is
+    still a measurement, and a figure 10x below another is no tie because the machine was
+    busy. None without a throughput."""
+    throughput = _number(row, "throughput")
+    if throughput is None:
+        return None
+    spread = SPREAD_FLOOR
+    cv = _number(row, "step_time_cv")
+    if cv is not None:
+        spread = max(spread, cv)
+    p50, p90 = _number(row, "step_time_ms_p50"), _number(row, "step_time_ms_p90")
+    if p50 and p90:
+        spread = max(spread, p90 / p50 - 1)
+    slowed = 1.0
+    device = row.get("device")
+    on_cpu = not isinstance(device, str) or not device or device.startswith("cpu")
+    free, threads = _number(row, "timing_free_cores"), _number(row, "torch_threads")
+    if on_cpu and free is not None and threads is not None and threads > free + 0.5:
+        slowed = threads / max(free, 1.0)
+    steal = _number(row, "timing_steal_fraction")
+    if steal is not None and steal > MAX_STEAL:
+        slowed /= 1 - min(steal, 0.5)
+    return throughput / (1 + spread), throughput * (1 + spread) * max(slowed, 1.0)
 
 
 def throughputs_tie(a: Row, b: Row) -> bool:
-    """Whether two trials' throughputs cannot be told apart: either is noisy (its figure is a
-    moment of a busy machine, not a measurement to rank by), or they differ by less than
-    ``TIE_MARGIN`` of the larger. A trial without a throughput ties with nothing."""
-    x, y = _number(a, "throughput"), _number(b, "throughput")
+    """Whether two trials' throughputs cannot be told apart: their intervals
+    (``throughput_interval``) overlap. A noisy trial's interval is wider, not endless: it ties
+    with what its own spread and the competition it met can explain, not with everything. A
+    trial without a throughput ties with nothing."""
+    x, y = throughput_interval(a), throughput_interval(b)
     if x is None or y is None:
         return False
-    if noise_reason(a) or noise_reason(b):
-        return True
-    high = max(abs(x), abs(y))
-    return high == 0 or abs(x - y) < TIE_MARGIN * high
+    return x[0] <= y[1] and y[0] <= x[1]

@@ -22,7 +22,7 @@ import moocore
 import numpy as np
 import pandas as pd
 
-from harness.analyse.noise import TIE_MARGIN, noise_reason, throughputs_tie
+from harness.analyse.noise import throughputs_tie
 from harness.contract import AXES
 from harness.metrics import DEFAULT_OBJECTIVES, METRICS, Objective
 from harness.strategies.combination import recorded_names
@@ -78,17 +78,39 @@ def hypervolume(points: np.ndarray) -> float:
     return float(moocore.hypervolume(points, ref=[REFERENCE] * k)) / REFERENCE**k
 
 
-def dominates(a: np.ndarray, b: np.ndarray) -> bool:
-    """``a`` is no worse than ``b`` anywhere and better somewhere (both minimised)."""
+def dominates(a: np.ndarray, b: np.ndarray, equal: int | None = None) -> bool:
+    """``a`` is no worse than ``b`` anywhere and better somewhere (both minimised); objective
+    ``equal`` (an index) counted as equal in both (throughputs within noise)."""
+    if equal is not None:
+        a = a.copy()
+        a[equal] = b[equal]
     return bool(np.all(a <= b) and np.any(a < b))
 
 
-def dominated_share(front_a: np.ndarray, front_b: np.ndarray) -> float:
-    """Share of ``front_b``'s points that some point of ``front_a`` dominates."""
-    if len(front_b) == 0:
+@dataclass(frozen=True)
+class Front:
+    """A front's normalised points and its trials' rows, in one order."""
+
+    points: np.ndarray
+    rows: pd.DataFrame
+
+
+def dominated_share(front_a: Front, front_b: Front, objectives: list[Objective]) -> float:
+    """Share of ``front_b``'s points that some point of ``front_a`` dominates, never by a
+    throughput difference the noise rule cannot tell apart (``throughputs_tie``): such a pair
+    counts as equal there, and dominance must come from another objective."""
+    if len(front_b.points) == 0:
         return 0.0
-    hit = sum(any(dominates(a, b) for a in front_a) for b in front_b)
-    return hit / len(front_b)
+    metrics = [o.metric for o in objectives]
+    speed = metrics.index("throughput") if "throughput" in metrics else None
+    rows_a = [row for _, row in front_a.rows.iterrows()]
+    hit = 0
+    for b, (_, row_b) in zip(front_b.points, front_b.rows.iterrows(), strict=True):
+        hit += any(
+            dominates(a, b, speed if speed is not None and throughputs_tie(row_a, row_b) else None)
+            for a, row_a in zip(front_a.points, rows_a, strict=True)
+        )
+    return hit / len(front_b.points)
 
 
 @dataclass
@@ -152,7 +174,7 @@ def analyse(
     usable = frame[ok]
     front = usable[non_dominated(usable, objectives)] if not usable.empty else usable
     group_rows: list[dict[str, Any]] = []
-    fronts: dict[str, np.ndarray] = {}
+    fronts: dict[str, Front] = {}
     if not usable.empty:
         low, high = bounds(usable, objectives)
         groups = [("all", frame)] if by is None else list(frame.groupby(by, sort=True))
@@ -160,7 +182,7 @@ def analyse(
             member_ok = members[ok.loc[members.index]]
             member_front = member_ok[non_dominated(member_ok, objectives)]
             points = normalise(member_front, objectives, low, high)
-            fronts[str(name)] = points
+            fronts[str(name)] = Front(points, member_front)
             group_rows.append(
                 {
                     "group": str(name),
@@ -175,7 +197,7 @@ def analyse(
     )
     names = list(fronts)
     dominance = pd.DataFrame(
-        [[dominated_share(fronts[a], fronts[b]) for b in names] for a in names],
+        [[dominated_share(fronts[a], fronts[b], objectives) for b in names] for a in names],
         index=pd.Index(names, name="front A"),
         columns=pd.Index(names, name="dominates share of front B"),
     )
@@ -222,10 +244,7 @@ class Ranking:
             return None
         by = "lower peak memory, then fewer strategies"
         by = f"accuracy, then {by}" if self.has_accuracy else by
-        return (
-            f"throughputs within noise (a noisy figure, or less than {TIE_MARGIN:.0%} apart): "
-            f"ranked by {by}"
-        )
+        return f"throughputs within noise (their measured spreads overlap): ranked by {by}"
 
     @property
     def has_accuracy(self) -> bool:
@@ -234,23 +253,22 @@ class Ranking:
 
 def throughput_tiers(frame: pd.DataFrame) -> pd.Series:
     """Per trial, its place on throughput when differences within noise do not count (0 is
-    the first place). Steady trials: the fastest leads tier 0 with every steady trial less than
-    ``TIE_MARGIN`` behind it; the fastest of the rest leads tier 1, and so on (judged against
-    each tier's leader, so a chain of small steps never merges a clearly slower trial into the
-    first place). A noisy trial's figure says nothing about its place: it ties with every
-    trial (``throughputs_tie``), so it competes for the first place, tier 0, where the next
-    objective decides. ``frame``: trials with a throughput, a unique index."""
+    the first place): the fastest leads tier 0 with every trial whose throughput interval
+    overlaps its own (``throughputs_tie``: a noisy trial's is wider, by what its measured
+    spread and the competition it met can explain); the fastest of the rest leads tier 1, and
+    so on (judged against each tier's leader, so a chain of small steps never merges a clearly
+    slower trial into the first place, and a trial 10x slower never competes for it whatever
+    its flag). ``frame``: trials with a throughput, a unique index."""
     order = frame.assign(_memory=frame.get(MEMORY, 0.0)).sort_values(
         ["throughput", "_memory"], ascending=[False, True], kind="stable"
     )
     rows = list(order.iterrows())
-    tiers = {index: 0 for index, row in rows if noise_reason(row)}
-    steady = [(index, row) for index, row in rows if index not in tiers]
+    tiers: dict[Any, int] = {}
     tier = 0
-    for index, leader in steady:
+    for index, leader in rows:
         if index in tiers:
             continue
-        for other, row in steady:
+        for other, row in rows:
             if other not in tiers and (other == index or throughputs_tie(leader, row)):
                 tiers[other] = tier
         tier += 1

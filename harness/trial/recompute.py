@@ -15,7 +15,9 @@ model instead, in this order:
    blocks (a transformer's) the earliest first, since an early block is recomputed late in
    backward, when the later blocks' activations are already freed.
 
-So a plan costs 2 + log2(blocks) predictions on one built model (a 32-block Llama: 7).
+So a plan costs 2 + log2(blocks) predictions on one built model (a 32-block Llama: 7). A deep
+model's two uniform plans (steps 1 and 2) are carried from shallow copies
+(``harness.trial.depth``), so the whole model is built only where step 3 runs.
 The chosen plan stays on the strategy object, which the trial then applies to its real model;
 the prediction the trial records is the chosen plan's.
 """
