@@ -62,6 +62,11 @@ _DOCS: dict[str, str] = {
     "base); equals num_params when nothing is frozen",
     "throughput": "samples/s: samples per step / the median timed-step time (steps run back to "
     "back, the device synchronised only around the timed window)",
+    "throughput_min": "train.repeats > 1: the slowest repeat's throughput (samples/s); "
+    "throughput is then the repeats' median, the rest of the row the first run's",
+    "throughput_max": "train.repeats > 1: the fastest repeat's throughput (samples/s)",
+    "repeats": "train.repeats > 1: how many runs of the trial measured a throughput (the "
+    "spread between them widens the interval ties are judged on)",
     "step_time_ms_p50": "median timed-step latency in milliseconds",
     "step_time_ms_p90": "90th-percentile timed-step latency in milliseconds",
     "step_time_ms_p99": "99th-percentile timed-step latency in milliseconds",
@@ -173,7 +178,7 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
     (BYTES_PER_PARAM, "lower"): ("block_linear_bytes_per_param",),
     (PARAMETERS, None): ("num_params", "num_params_total"),
     (THROUGHPUT, "higher"): ("throughput",),
-    (THROUGHPUT, None): ("predicted_throughput",),
+    (THROUGHPUT, None): ("predicted_throughput", "throughput_min", "throughput_max"),
     (MILLISECONDS, "lower"): (
         "step_time_ms_p50",
         "step_time_ms_p90",
@@ -202,7 +207,7 @@ _KINDS: dict[tuple[str, Better], tuple[str, ...]] = {
     (FRACTION, "higher"): ("accuracy", "int8_accuracy", "mfu", "reached_target"),
     (FRACTION, None): ("timing_steal_fraction", "sparsity", "predicted_mfu"),
     (CORES, None): ("timing_other_busy_cores", "timing_free_cores"),
-    (COUNT, None): ("train_steps", "peak_rank"),
+    (COUNT, None): ("train_steps", "peak_rank", "repeats"),
     (COUNT, "lower"): ("steps_to_target",),
     (PLAIN, "lower"): ("eval_loss", "train_loss", "perplexity"),
     (PLAIN, None): ("timing_load_avg", "epochs"),

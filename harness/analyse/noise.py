@@ -75,7 +75,8 @@ TIE_MARGIN = MAX_CV  # the gap (relative to the larger) under which two steady f
 def throughput_interval(row: Row) -> tuple[float, float] | None:
     """Where a trial's throughput could lie, from what was measured of it: the timed steps'
     spread (``step_time_cv``, ``step_time_ms_p90`` over ``_p50``; at least ``SPREAD_FLOOR``)
-    either side, and above that what competition for the CPU can explain: more torch threads
+    either side, widened to the slowest and fastest of its runs where ``train.repeats`` ran
+    it more than once, and above that what competition for the CPU can explain: more torch threads
     than free cores slow a parallel region by up to threads / free cores (at least one core is
     the trial's own), CPU steal by 1 / (1 - steal). Bounded on purpose: a flagged trial is
     still a measurement, and a figure 10x below another is no tie because the machine was
@@ -99,7 +100,10 @@ def throughput_interval(row: Row) -> tuple[float, float] | None:
     steal = _number(row, "timing_steal_fraction")
     if steal is not None and steal > MAX_STEAL:
         slowed /= 1 - min(steal, 0.5)
-    return throughput / (1 + spread), throughput * (1 + spread) * max(slowed, 1.0)
+    low, high = throughput / (1 + spread), throughput * (1 + spread) * max(slowed, 1.0)
+    # train.repeats: where the runs themselves landed (harness.sweep.repeats)
+    slowest, fastest = _number(row, "throughput_min"), _number(row, "throughput_max")
+    return min(low, slowest or low), max(high, fastest or high)
 
 
 def throughputs_tie(a: Row, b: Row) -> bool:

@@ -427,6 +427,9 @@ class TrainSpec(Strict):
     lora: LoraSpec = LoraSpec()
     budget: BudgetSpec = BudgetSpec(epochs=1)
     seed: int = Field(default=0, ge=0)
+    # Runs of each trial whose throughputs are compared (``harness.sweep.repeats``): the
+    # spread between runs is what a single run cannot show, its timed steps' spread aside.
+    repeats: int = Field(default=1, ge=1, le=20)
 
 
 class MeasureSpec(Strict):

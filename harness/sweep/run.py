@@ -8,6 +8,7 @@ again, and a trial interrupted by a killed sweep is run anew. The start is
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,6 +37,7 @@ from harness.sweep.progress import (
     start,
     trial_label,
 )
+from harness.sweep.repeats import repeated
 from harness.trial.config import TIMELINE_FILE, TIMELINE_PNG, TrialConfig
 from harness.trial.result import RETRYABLE, Status, TrialResult
 from harness.waiting import until
@@ -213,7 +215,24 @@ def status_counts(recorded: dict[str, str]) -> dict[str, float]:
 
 
 def run_with_retries(spec: Spec, config: TrialConfig, workdir: Path) -> TrialResult:
-    """Launch the trial; re-launch a crash or timeout up to ``limits.retries`` times."""
+    """Launch the trial; re-launch a crash or timeout up to ``limits.retries`` times; run a
+    trial that measured a throughput ``train.repeats`` times in all (``repeated``)."""
+    result = launch_with_retries(spec, config, workdir)
+    if spec.train.repeats < 2 or result.metrics.get("throughput") is None:
+        return result
+    others = []
+    for index in range(1, spec.train.repeats):
+        # each repeat in a folder of its own, gone once its throughput is read: the row and
+        # its files (timeline, snapshot) are the first run's
+        folder = workdir.with_name(f"{workdir.name}.repeat{index}")
+        try:
+            others.append(launch_with_retries(spec, config, folder))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    return repeated(result, others)
+
+
+def launch_with_retries(spec: Spec, config: TrialConfig, workdir: Path) -> TrialResult:
     for attempt in range(spec.limits.retries + 1):
         result = launch_trial(config, workdir, spec.limits.trial_timeout)
         result.attempts = attempt + 1
