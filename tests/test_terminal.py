@@ -112,6 +112,22 @@ def test_table_text_right_aligns_numbers_and_keeps_every_requested_column():
     assert first.endswith("2.60k samples/s") and second.endswith("12.0 samples/s")
 
 
+def test_a_strategy_name_is_never_folded_however_narrow_the_table():
+    """A name folded over rows reads as several names: the strategy column is as wide as its
+    longest name, and other text columns fold or go first."""
+    long = "qlora:16+chunked_ce+checkpoint:auto"
+    frame = pd.DataFrame(
+        [digits_row(strategy=long, failure_reason="a reason " * 8), digits_row(strategy="none")]
+    )
+    text = table_text(frame, ["strategy", "failure_reason", "throughput"], width=72)
+    table = [line for line in text.splitlines() if not line.startswith("left out")]
+    assert any(long in line for line in table), text
+    assert max(map(len, table)) <= 72, text
+    assert "a reason" in text and "left out" not in text  # folded, not left out
+    narrower = table_text(frame, ["strategy", "failure_reason", "throughput"], width=60)
+    assert long in narrower and "left out to fit 60 columns: failure_reason" in narrower
+
+
 # -- harness timeline TRIAL: which trial a name means -------------------------------------
 
 

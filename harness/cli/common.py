@@ -304,22 +304,26 @@ def table_layout(
     width: int | None,
     overhead: Callable[[int], int],
     spare: Sequence[int] = (),
+    whole: Sequence[bool] = (),
 ) -> tuple[list[int], list[int]]:
     """Which columns a table of ``width`` columns shows (by index) and each one's width.
 
     A number is never cut: a numeric column is as wide as its widest cell, only its heading
-    folds. The widest column narrows first; text folds down to ``TEXT_FOLD``. Where even that
+    folds; so is a text column marked ``whole`` (a strategy's name: ``lora:16+checkpoint:auto``
+    folded over three rows reads as three names), which is left out only where ``spare``
+    says. The widest column narrows first; text folds down to ``TEXT_FOLD``. Where even that
     does not fit, columns are left out: first those in ``spare`` (the caller's least needed,
     numbers included), then text columns from the right (never the first, which names the
     row). Where that is still too wide, every column stays and the table is wider than asked:
     a terminal folds its lines, nothing is hidden or cut. ``overhead(n)``: what borders and
     padding add to ``n`` columns."""
     count = len(headings)
+    unbroken = [numeric[i] or (i < len(whole) and whole[i]) for i in range(count)]
     cells = [max((_widest_line(row[i]) for row in rows), default=0) for i in range(count)]
     natural = [max(cells[i], _widest_line(headings[i]), 1) for i in range(count)]
     least = [
         max(cells[i], _longest_word(headings[i]), 1)
-        if numeric[i]
+        if unbroken[i]
         else min(natural[i], max(TEXT_FOLD, _longest_word(headings[i])))
         for i in range(count)
     ]
@@ -330,7 +334,7 @@ def table_layout(
     def fits(shown: list[int]) -> bool:
         return sum(least[i] for i in shown) + overhead(len(shown)) <= width
 
-    text = [i for i in reversed(every[1:]) if not numeric[i]]
+    text = [i for i in reversed(every[1:]) if not unbroken[i]]
     shown = every
     for index in dict.fromkeys([*spare, *text]):  # in order, once each
         if fits(shown):
@@ -344,6 +348,11 @@ def table_layout(
         wider = [i for i in shown if widths[i] > least[i]]
         widths[max(wider, key=widths.__getitem__)] -= 1
     return shown, [widths[i] for i in shown]
+
+
+# Text columns whose cells are never folded (by heading): a name split over rows reads as
+# several names.
+WHOLE_HEADINGS = frozenset({"strategy"})
 
 
 def terminal_table(
@@ -370,19 +379,22 @@ def terminal_table(
             probe.add_column(width=1)
         return Measurement.get(measurer, measurer.options, probe).maximum - count
 
-    shown, widths = table_layout(headings, numeric, rows, width, overhead, spare)
+    whole = [" ".join(heading.split()) in WHOLE_HEADINGS for heading in headings]
+    shown, widths = table_layout(headings, numeric, rows, width, overhead, spare, whole)
     table = Table(**options)
     for index, column_width in zip(shown, widths, strict=True):
         table.add_column(
             Text(fold(headings[index], column_width), no_wrap=False, overflow="fold"),
             justify="right" if numeric[index] else "left",
             width=column_width,
-            no_wrap=numeric[index],
+            no_wrap=numeric[index] or whole[index],
             overflow="fold",
         )
     width_of = dict(zip(shown, widths, strict=True))
     for row in rows:
-        table.add_row(*(Text(row[i] if numeric[i] else fold(row[i], width_of[i])) for i in shown))
+        table.add_row(
+            *(Text(row[i] if numeric[i] or whole[i] else fold(row[i], width_of[i])) for i in shown)
+        )
     left_out = [" ".join(headings[i].split()) for i in range(len(headings)) if i not in shown]
     return table, left_out, sum(widths) + overhead(len(shown))
 
