@@ -85,7 +85,26 @@ def test_optimizer_strategies_keep_lr_weight_decay_and_foreach():
         Adam8bit(): OptimizerSettings("adam8bit", **kept),
     }
     for strategy, expected in swapped.items():
+        if strategy.name in ("adamw", "adafactor", "adam8bit"):  # another family: its own lr
+            expected = OptimizerSettings(expected.name, lr=strategy.default_lr, **{
+                k: v for k, v in kept.items() if k != "lr"})  # fmt: skip
         assert strategy.optimizer(trial_settings, ctx) == expected
+
+
+def test_an_optimizer_swap_to_another_family_takes_that_familys_learning_rate():
+    """Adam's 1e-3 leaves SGD nearly still: a swap across families trains at the strategy's
+    default; within one (Adam to AdamW) at the spec's; an argument always wins."""
+    ctx = TrialContext(torch.device("cpu"), "fp32", "mlp", None, 8)
+    adam = OptimizerSettings(name="adam", lr=3e-3)
+    assert Sgd().optimizer(adam, ctx).lr == 0.1
+    assert SgdMomentum().optimizer(adam, ctx).lr == 0.05
+    assert Adafactor().optimizer(adam, ctx).lr == 0.01
+    assert AdamW().optimizer(adam, ctx).lr == 3e-3
+    assert Adam8bit().optimizer(adam, ctx).lr == 3e-3
+    assert Sgd("0.2").optimizer(adam, ctx).lr == 0.2
+    sgd = OptimizerSettings(name="sgd", lr=0.02, momentum=0.9)
+    assert SgdMomentum().optimizer(sgd, ctx).lr == 0.02
+    assert AdamW().optimizer(sgd, ctx).lr == 1e-3
 
 
 def test_an_optimizer_strategy_takes_its_own_learning_rate():

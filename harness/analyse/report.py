@@ -21,6 +21,7 @@ from harness.analyse.noise import NOISY_MARK, noise_reason, throughputs_tie
 from harness.analyse.pareto import MEMORY, ParetoAnalysis, rank_fits, unusable
 from harness.analyse.peak_phase import peak_reason
 from harness.analyse.style import BREAKDOWN_LABELS
+from harness.analyse.tuning import tuning_note
 from harness.contract import AXES
 from harness.metrics import Objective, format_metric
 from harness.record.results import ResultsError, Sweep, trial_timeline
@@ -344,6 +345,7 @@ def trial_table(
             reasons = [str(row.get("failure_reason") or "")[:160]]
             noisy = noise_reason(row)
             reasons.append(f"throughput noisy: {noisy}" if noisy else "")
+            reasons.append(tuning_note(row, frame) or "")
             cells.append(html.escape("; ".join(r for r in reasons if r)))
         rows.append(cells)
     return [table(columns, rows), *noisy_note(frame)]

@@ -71,7 +71,9 @@ def _info(name: str, doc: str, module: str, cls: str, **kw: Any) -> StrategyInfo
 
 
 # An optimizer swap's own learning rate (``sgd_momentum:0.05``): what suits Adam rarely suits
-# SGD, so a grid comparing them gives each its own; left out, the spec's train.optimizer.lr.
+# SGD, so a grid comparing them gives each its own; left out, the strategy's default where it
+# swaps to another family of optimizers, else the spec's train.optimizer.lr
+# (``harness.strategies.optimizers``).
 OPTIMIZER_LR: dict[str, Any] = {"arg": "learning rate", "arg_type": float, "arg_optional": True}
 
 # Strategies that replace a block's Linear layers or their weights: a tensor-parallel plan
