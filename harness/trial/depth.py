@@ -116,6 +116,10 @@ Make = Callable[[TrialConfig, bool], Any]  # a Predictor of a configuration (tag
 # of one block, so its model is traced whole (the plans that treat every block alike are
 # carried: every block in full, none).
 MIXED_PLAN = "traced whole: a plan that recomputes some blocks in full and not others"
+# Once the whole model is built for a mixed plan, every later plan runs on it: a window on a
+# built model costs less than two shallow builds and their windows (a QLoRA base quantized),
+# and no shallow model is built beside it (two fake worlds cannot stand side by side).
+BUILT_WHOLE = "traced whole: the whole model was built for a mixed plan already"
 # One shallow trace: what its window ran, its library workspaces, its attention calls so far.
 Shot = tuple[WindowTrace, frozenset[int], Counter[str]]
 
@@ -184,17 +188,23 @@ class DeepPredictor:
         treats blocks unalike."""
         return "" if self.auto is None else self.auto.uniform_mode()
 
+    def carries(self) -> bool:
+        """Whether the next prediction is carried from shallow traces: the shortcut has not
+        failed, the auto plan (if any) treats every block alike, and the whole model is not
+        built already."""
+        return self.whole is None and self.mixed is None and self.plan() is not None
+
     def whole_predictor(self, batch_size: int) -> tuple[Any, str]:
         """The full model's ``Predictor`` where a prediction is not carried, and why not: the
-        shortcut failed, or the auto plan treats blocks unalike."""
+        shortcut failed, the auto plan treats blocks unalike, or the model is built already."""
         if self.whole is not None:
             return self.whole, self.why
         if self.mixed is None:
             self.mixed = self.make(replace(self.config, batch_size=batch_size), False)
-        return self.mixed, MIXED_PLAN
+        return self.mixed, MIXED_PLAN if self.plan() is None else BUILT_WHOLE
 
     def predict(self, batch_size: int) -> Prediction:
-        if self.whole is None and self.plan() is not None:
+        if self.carries():
             window = self.window(batch_size)
             if isinstance(window, WindowTrace):
                 deeper = self.pair[1]
@@ -207,7 +217,7 @@ class DeepPredictor:
         self, batch_size: int, cards: Sequence[Any], budgets: Mapping[str, int | None]
     ) -> dict[str, Prediction]:
         """``Predictor.predict_on``: every card in ``cards`` that runs the traced step."""
-        if self.whole is None and self.plan() is not None:
+        if self.carries():
             window = self.window(batch_size)
             if isinstance(window, WindowTrace):
                 deeper = self.pair[1]
@@ -246,8 +256,11 @@ class DeepPredictor:
         last blocks ranked as they are, its middle blocks (alike, so one rank: the full
         model's middle blocks are the same block) standing for every middle block; where
         they rank apart, the full model's own."""
-        if self.whole is not None:
-            return self.whole.block_order(batch_size)
+        built = self.whole or self.mixed
+        if built is not None:  # no shallow model beside a built whole one
+            if built.setup is None:
+                built.build()
+            return built.block_order(batch_size)
         config = self.depth.at(replace(self.config, batch_size=batch_size), self.low)
         with self.make(config, False) as shallow:
             shallow.build()
@@ -311,6 +324,8 @@ class DeepPredictor:
         sizes = sorted(set(batch_sizes))
         if self.whole is not None or not sizes:
             return
+        # A fake world beside the whole model's open one would file into its log too.
+        assert self.mixed is None, "no shallow model is built beside the whole one"
         shots: dict[int, list[Shot]] = {size: [] for size in sizes}
         pair: list[Any] = []
         build = window = 0.0
