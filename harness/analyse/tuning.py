@@ -29,23 +29,25 @@ def tuning_note(row: pd.Series, frame: pd.DataFrame) -> str | None:
     """One phrase for a trial whose optimizer swap's accuracy is more than ``GAP`` below the
     best accuracy of the sweep's trials that kept the spec's optimizer; else None."""
     swap = optimizer_swap(row.get("strategy"))
-    accuracy = row.get("accuracy")
-    if swap is None or "accuracy" not in frame or not _finite(accuracy):
+    accuracy = _number(row.get("accuracy"))
+    if swap is None or "accuracy" not in frame or accuracy is None:
         return None
     kept = frame[frame["strategy"].map(optimizer_swap).isna() & frame["status"].eq("ok")]
-    best = kept["accuracy"].max() if not kept.empty else math.nan
-    if not _finite(best) or float(accuracy) >= best - GAP:
+    best = _number(kept["accuracy"].max()) if not kept.empty else None
+    if best is None or accuracy >= best - GAP:
         return None
-    lr = row.get("lr")
-    at = f" at lr {float(lr):g}" if _finite(lr) else ""
+    lr = _number(row.get("lr"))
+    at = f" at lr {lr:g}" if lr is not None else ""
     return (
-        f"accuracy may be a tuning artifact: {swap} trained{at}, untuned, {best - float(accuracy):.3f} "
+        f"accuracy may be a tuning artifact: {swap} trained{at}, untuned, {best - accuracy:.3f} "
         f"below the spec's optimizer; try {swap}:LR with other rates"
     )
 
 
-def _finite(value: object) -> bool:
+def _number(value: object) -> float | None:
+    """``value`` as a finite float, else None (a missing accuracy or lr)."""
     try:
-        return math.isfinite(float(value))  # type: ignore[arg-type]
+        number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        return False
+        return None
+    return number if math.isfinite(number) else None
