@@ -95,8 +95,9 @@ def test_the_results_table_folds_or_leaves_out_text_and_never_cuts_a_number(widt
         kept.append(BREAKDOWN)
     for number in numeric_cells(frame, kept):  # 79.4 GiB, 123k tokens/s, 2,048, 0.987 ...
         assert any(number in line for line in lines), (number, text)
-    assert "fsdp_full_shard+cpu_offload" not in text  # folded, after a _ or a +
-    assert any(line.rstrip().endswith("offload") for line in lines)
+    # a strategy's name folds only where the caller's spare columns do not make room for it
+    # (the results table spares none of these): a status or a dtype matters more
+    assert "fsdp_full_shard+cpu_offload" in text or width < 150
     if width == 150:
         assert not left_out and "trial" in headings
     else:

@@ -112,20 +112,27 @@ def test_table_text_right_aligns_numbers_and_keeps_every_requested_column():
     assert first.endswith("2.60k samples/s") and second.endswith("12.0 samples/s")
 
 
-def test_a_strategy_name_is_never_folded_however_narrow_the_table():
-    """A name folded over rows reads as several names: the strategy column is as wide as its
-    longest name, and other text columns fold or go first."""
+def test_a_strategy_name_stays_whole_where_the_spare_columns_make_room():
+    """A name folded over rows reads as several names: where leaving out the columns the
+    caller can spare (but the last, the most wanted) makes room, the strategy column is as wide
+    as its longest name; else it folds like other text rather than push out another column."""
     long = "qlora:16+chunked_ce+checkpoint:auto"
     frame = pd.DataFrame(
         [digits_row(strategy=long, failure_reason="a reason " * 8), digits_row(strategy="none")]
     )
-    text = table_text(frame, ["strategy", "failure_reason", "throughput"], width=72)
-    table = [line for line in text.splitlines() if not line.startswith("left out")]
-    assert any(long in line for line in table), text
-    assert max(map(len, table)) <= 72, text
-    assert "a reason" in text and "left out" not in text  # folded, not left out
-    narrower = table_text(frame, ["strategy", "failure_reason", "throughput"], width=60)
-    assert long in narrower and "left out to fit 60 columns: failure_reason" in narrower
+    columns = ["strategy", "failure_reason", "throughput"]
+    spared = table_text(frame, columns, width=60, spare=["failure_reason", "throughput"])
+    table = [line for line in spared.splitlines() if not line.startswith("left out")]
+    assert any(long in line for line in table) and max(map(len, table)) <= 60, spared
+    assert "left out to fit 60 columns: failure_reason" in spared
+    # narrower still: folded between its terms, never inside one
+    terms = table_text(frame, columns, width=40, spare=["failure_reason", "throughput"])
+    table = [line for line in terms.splitlines()[2:] if not line.startswith("left out")]
+    names = [line.split()[0] for line in table if line.strip()][:-1]  # the last row: none
+    assert "".join(names) == long and all(n.endswith("+") for n in names[:-1]), terms
+    assert max(map(len, table)) <= 40 and "samples/s" in terms
+    folded = table_text(frame, columns, width=60)  # nothing to spare: like any text
+    assert long not in folded and "qlora:16+" in folded and "a reason" in folded
 
 
 # -- harness timeline TRIAL: which trial a name means -------------------------------------

@@ -282,6 +282,7 @@ def terminal_width() -> int | None:
 
 
 TEXT_FOLD = 8  # the narrowest a text column folds to (wider where its heading's word is)
+TERM_FOLD = 16  # a strategy column folds between terms up to this wide (checkpoint:auto+)
 HEADING_WORD = 12  # a heading word longer than this folds rather than widen its column
 
 
@@ -305,25 +306,34 @@ def table_layout(
     overhead: Callable[[int], int],
     spare: Sequence[int] = (),
     whole: Sequence[bool] = (),
+    fold_names: int = 0,
 ) -> tuple[list[int], list[int]]:
     """Which columns a table of ``width`` columns shows (by index) and each one's width.
 
     A number is never cut: a numeric column is as wide as its widest cell, only its heading
-    folds; so is a text column marked ``whole`` (a strategy's name: ``lora:16+checkpoint:auto``
-    folded over three rows reads as three names), which is left out only where ``spare``
-    says. The widest column narrows first; text folds down to ``TEXT_FOLD``. Where even that
+    folds. The widest column narrows first; text folds down to ``TEXT_FOLD``. Where even that
     does not fit, columns are left out: first those in ``spare`` (the caller's least needed,
     numbers included), then text columns from the right (never the first, which names the
     row). Where that is still too wide, every column stays and the table is wider than asked:
     a terminal folds its lines, nothing is hidden or cut. ``overhead(n)``: what borders and
-    padding add to ``n`` columns."""
+    padding add to ``n`` columns.
+
+    A text column marked ``whole`` (a strategy's name: ``qlora:16+chunked_ce`` folded inside
+    its words reads as other names) is kept as whole as room allows, in steps
+    (``fold_names``): 0, as wide as its widest name, where leaving out the ``spare`` columns
+    but the last (the most wanted) makes room; 1, folded between its ``+``-joined terms (inside
+    one only past ``TERM_FOLD`` characters), where leaving out ``spare`` makes room; 2, like any
+    text column."""
     count = len(headings)
-    unbroken = [numeric[i] or (i < len(whole) and whole[i]) for i in range(count)]
+    named = [i < len(whole) and whole[i] and fold_names < 2 for i in range(count)]
+    unbroken = [numeric[i] or (named[i] and fold_names == 0) for i in range(count)]
     cells = [max((_widest_line(row[i]) for row in rows), default=0) for i in range(count)]
     natural = [max(cells[i], _widest_line(headings[i]), 1) for i in range(count)]
     least = [
         max(cells[i], _longest_word(headings[i]), 1)
         if unbroken[i]
+        else max(min(_longest_term(rows, i), TERM_FOLD), _longest_word(headings[i]), 1)
+        if named[i]
         else min(natural[i], max(TEXT_FOLD, _longest_word(headings[i])))
         for i in range(count)
     ]
@@ -334,12 +344,16 @@ def table_layout(
     def fits(shown: list[int]) -> bool:
         return sum(least[i] for i in shown) + overhead(len(shown)) <= width
 
-    text = [i for i in reversed(every[1:]) if not unbroken[i]]
+    text = [i for i in reversed(every[1:]) if not unbroken[i] and not named[i]]
     shown = every
-    for index in dict.fromkeys([*spare, *text]):  # in order, once each
+    # names are kept whole at the cost of spare columns only, never of a status or a dtype
+    dropped = [*spare[:-1]] if fold_names == 0 else spare if any(named) else [*spare, *text]
+    for index in dict.fromkeys(dropped):  # in order, once each
         if fits(shown):
             break
         shown = [i for i in shown if i != index]
+    if not fits(shown) and any(named):  # the names must give more
+        return table_layout(headings, numeric, rows, width, overhead, spare, whole, fold_names + 1)
     if not fits(shown):
         shown = every  # leaving columns out does not make it fit: show them all, narrowest
     room = max(width - overhead(len(shown)), sum(least[i] for i in shown))
@@ -353,6 +367,11 @@ def table_layout(
 # Text columns whose cells are never folded (by heading): a name split over rows reads as
 # several names.
 WHOLE_HEADINGS = frozenset({"strategy"})
+
+
+def _longest_term(rows: Sequence[Sequence[str]], index: int) -> int:
+    """The widest ``+``-joined term (its ``+`` kept) of column ``index``'s cells."""
+    return max((len(term) + 1 for row in rows for term in row[index].split("+")), default=1)
 
 
 def terminal_table(
@@ -379,8 +398,13 @@ def terminal_table(
             probe.add_column(width=1)
         return Measurement.get(measurer, measurer.options, probe).maximum - count
 
-    whole = [" ".join(heading.split()) in WHOLE_HEADINGS for heading in headings]
-    shown, widths = table_layout(headings, numeric, rows, width, overhead, spare, whole)
+    named = [" ".join(heading.split()) in WHOLE_HEADINGS for heading in headings]
+    shown, widths = table_layout(headings, numeric, rows, width, overhead, spare, named)
+    given = dict(zip(shown, widths, strict=True))
+    whole = [  # kept whole where the layout gave the column its widest cell
+        named[i] and i in given and given[i] >= max((_widest_line(r[i]) for r in rows), default=0)
+        for i in range(len(headings))
+    ]
     table = Table(**options)
     for index, column_width in zip(shown, widths, strict=True):
         table.add_column(
