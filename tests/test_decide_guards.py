@@ -350,6 +350,30 @@ def test_recommend_ties_noise_and_prints_the_long_note_whole_at_80_columns(noisy
         assert "step times vary 40% (CV); 12% CPU steal; 2 threads on 0.4 free cores" in note
 
 
+def test_a_recorded_loaded_sweep_never_recommends_the_ten_times_slower_trial(tmp_path):
+    """The issue's sweep on a loaded machine, recorded as a sweep records it: both trials
+    flagged (threads on busy cores, steal), the slower one 10x behind, more accurate and
+    smaller. ``recommend`` and the report take the faster; the runner-up is no tie."""
+    busy = {"step_time_cv": 0.03, "timing_steal_fraction": 0.12, "timing_free_cores": 0.4}
+    outcomes = [
+        ("ok", measured(30.0, 0.99, 300e6, **busy)),  # batch 8: slow, accurate, small
+        ("ok", measured(300.0, 0.90, 500e6, **busy)),  # batch 16: 10x faster
+    ]
+    record_sweep(tmp_path, outcomes)
+    done = run_at_80_columns("recommend", "--budget", "1GiB", cwd=tmp_path)
+    expect_exit(done)
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("Recommended: tiny 16 fp32 none") for line in lines), done.stdout
+    runner = next(line for line in lines if line.startswith("Runner-up:"))
+    assert "within noise" not in runner and "throughput -90.0%" in runner, runner
+    sweep = load_sweep("guards", f"sqlite:///{tmp_path}/results/mlflow.db")
+    objectives = parse_objectives(OBJECTIVES)
+    analysis = analyse(sweep.frame, objectives, None, sweep.device_memory)
+    page = write_report(sweep, analysis, objectives, tmp_path / "report.html").read_text()
+    answer = page.split("<body>", 1)[1].split("</section>", 1)[0]
+    assert "run <b>model_size tiny, batch_size 16" in answer
+
+
 def test_the_noise_note_is_never_cut():
     rows = [{"throughput": 100.0, "torch_threads": 2, **VERY_NOISY}, {"throughput": 90.0}]
     note = noise_footnote(pd.DataFrame(rows))
