@@ -271,13 +271,18 @@ def test_no_picture_and_no_page_of_a_sweep_where_nothing_finished(failed_sweep, 
     assert not out.exists()
 
 
-def test_the_report_ranks_noisy_throughputs_by_accuracy(noisy_sweep):
-    folder, _ = noisy_sweep
+def report_answer(folder: Path) -> str:
+    """The report's opening section (its recommendation) for the sweep recorded in ``folder``."""
     sweep = load_sweep("guards", f"sqlite:///{folder}/results/mlflow.db")
     objectives = parse_objectives(OBJECTIVES)
     analysis = analyse(sweep.frame, objectives, None, sweep.device_memory)
     page = write_report(sweep, analysis, objectives, folder / "report.html").read_text()
-    answer = page.split("<body>", 1)[1].split("</section>", 1)[0]
+    return page.split("<body>", 1)[1].split("</section>", 1)[0]
+
+
+def test_the_report_ranks_noisy_throughputs_by_accuracy(noisy_sweep):
+    folder, _ = noisy_sweep
+    answer = report_answer(folder)
     # The headline is the accurate steady trial, not the noisy 6.80k samples/s one.
     assert "run <b>model_size tiny, batch_size 16" in answer
     assert "the most accurate configuration that fits among those whose throughputs" in answer
@@ -366,12 +371,7 @@ def test_a_recorded_loaded_sweep_never_recommends_the_ten_times_slower_trial(tmp
     assert any(line.startswith("Recommended: tiny 16 fp32 none") for line in lines), done.stdout
     runner = next(line for line in lines if line.startswith("Runner-up:"))
     assert "within noise" not in runner and "throughput -90.0%" in runner, runner
-    sweep = load_sweep("guards", f"sqlite:///{tmp_path}/results/mlflow.db")
-    objectives = parse_objectives(OBJECTIVES)
-    analysis = analyse(sweep.frame, objectives, None, sweep.device_memory)
-    page = write_report(sweep, analysis, objectives, tmp_path / "report.html").read_text()
-    answer = page.split("<body>", 1)[1].split("</section>", 1)[0]
-    assert "run <b>model_size tiny, batch_size 16" in answer
+    assert "run <b>model_size tiny, batch_size 16" in report_answer(tmp_path)
 
 
 def test_the_noise_note_is_never_cut():
