@@ -34,6 +34,7 @@ CARD_KEYS = [
     "predicted_context_bytes",
     "predicted_nccl_bytes",
     "predicted_fragmentation_bytes",
+    "predicted_mem_workspace_bytes",
     "tracked_peak_bytes",
     "card",
     "note",
@@ -72,6 +73,9 @@ def test_a_cuda_prediction_carries_the_cards_figures_and_its_replay_stays_behind
     assert prediction.judged_bytes == prediction.on_card.device_bytes > prediction.peak_bytes
     assert prediction.tensor_peak_bytes == prediction.on_card.tracked_peak_bytes
     assert prediction.note == prediction.on_card.note != ""
+    # An A100's two cuBLAS workspaces (training loop and autograd threads) and cuBLASLt's.
+    assert prediction.on_card.workspace_bytes == 2 * 8_519_680 + 2**20
+    assert prediction.breakdown["other"] >= prediction.on_card.workspace_bytes
 
 
 def test_a_prediction_that_failed_is_its_reason_alone():

@@ -357,3 +357,9 @@ class Workspaces:
             self.kinds.append("cublaslt")
         self.total += sum(sizes)
         return sizes
+
+    def bytes_on(self, card: Card) -> int:
+        """What the workspaces made so far take on ``card`` (cuBLAS's size is the card's):
+        made at a thread's first GEMM and kept, so all of them are live at any later peak."""
+        sizes = {"cublas": card.cublas_workspace_bytes, "cublaslt": CUBLASLT_WORKSPACE}
+        return sum(sizes[kind] for kind in self.kinds)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness.cuda.margin import CARD_MARGIN
 from harness.spec import SweepPlan
 from harness.sweep.tool_progress import relay
 from harness.trial.prediction import FAILURES, SPEED_COLUMNS
@@ -35,11 +36,13 @@ COLUMNS = [
     "predicted_mem_optim_bytes",
     "predicted_mem_activation_bytes",
     "predicted_mem_other_bytes",
+    "predicted_mem_workspace_bytes",  # CUDA targets: the library workspaces, part of other
     "predicted_model_state_bytes",
     "closed_form_model_state_bytes",
     "korthikanti_activation_bytes",
     "num_params",
     "fits",
+    "safety_margin_bytes",  # held back from the budget before fits (harness.cuda.margin)
     *SPEED_COLUMNS,
     "card",
     "predicted_context_bytes",
@@ -135,8 +138,18 @@ def estimate_grid(sweep: SweepPlan, target: str) -> pd.DataFrame:
     budget = spec.memory_budget
     if budget and judged is not None:
         predicted = frame[judged]
-        frame["fits"] = (predicted <= budget).astype("boolean").where(predicted.notna())
+        usable = usable_budget(budget, judged)
+        frame["fits"] = (predicted <= usable).astype("boolean").where(predicted.notna())
+        if usable < budget:
+            frame["safety_margin_bytes"] = float(budget - usable)
     return frame.reindex(columns=[c for c in COLUMNS if c in frame.columns])
+
+
+def usable_budget(budget: float, judged: str) -> float:
+    """What a prediction may reach and still fit ``budget``: a card's device figure is held to
+    the budget less the safety margin the card runs support (``harness.cuda.margin``); a CPU's
+    allocated figure to the budget itself."""
+    return CARD_MARGIN.usable(budget) if judged == "predicted_device_bytes" else budget
 
 
 def judged_column(frame: pd.DataFrame) -> str | None:

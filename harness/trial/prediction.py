@@ -52,6 +52,9 @@ class CardFigures:
     context_bytes: float
     nccl_bytes: float
     fragmentation_bytes: float  # peak reserved - peak allocated
+    # Of the breakdown's "other": the library workspaces live at the peak (cuBLAS and
+    # cuBLASLt, one per handle and stream: ``harness.cuda.kernels.Workspaces``).
+    workspace_bytes: float = 0.0
     card: str  # the card's name
     note: str  # the device-specific choices made (attention backend, ...): for a reader
     # The peak by tensor accounting alone, before the allocator's view of it (workspaces,
@@ -66,6 +69,7 @@ class CardFigures:
             "predicted_context_bytes": self.context_bytes,
             "predicted_nccl_bytes": self.nccl_bytes,
             "predicted_fragmentation_bytes": self.fragmentation_bytes,
+            "predicted_mem_workspace_bytes": self.workspace_bytes,
         }
         if self.tracked_peak_bytes is not None:
             out["tracked_peak_bytes"] = self.tracked_peak_bytes
@@ -78,12 +82,14 @@ class CardFigures:
         if _absent(data.get("predicted_device_bytes")):
             return None
         tracked = data.get("tracked_peak_bytes")
+        workspace = data.get("predicted_mem_workspace_bytes")
         return cls(
             reserved_bytes=data["predicted_reserved_bytes"],
             device_bytes=data["predicted_device_bytes"],
             context_bytes=data["predicted_context_bytes"],
             nccl_bytes=data["predicted_nccl_bytes"],
             fragmentation_bytes=data["predicted_fragmentation_bytes"],
+            workspace_bytes=0.0 if _absent(workspace) else workspace,
             card=data["card"],
             note=data["note"],
             tracked_peak_bytes=None if _absent(tracked) else tracked,
