@@ -37,9 +37,13 @@ NCCL_NVLINK = 700 * MIB
 NCCL_NVSWITCH = 1024 * MIB
 
 
-def nccl_bytes(card: Card, world_size: int) -> int:
-    """NCCL's device buffers per rank for a trial of ``world_size`` ranks (0 for one rank)."""
-    if world_size <= 1:
+def nccl_bytes(card: Card, world_size: int, communicator: bool = False) -> int:
+    """NCCL's device buffers per rank for a trial of ``world_size`` ranks: 0 for one rank
+    without a process group; a process group of one (``ddp:1``, ``fsdp:1``) still makes a
+    communicator, and NCCL loads its kernels and buffers for it (558 MiB outside the allocator
+    on the H200 run's ``fsdp:1``): charged as any communicator on that link, an estimate on
+    the safe side (1 GiB there)."""
+    if world_size <= 1 and not communicator:
         return 0
     link = card.interconnect.lower()
     if "nvlink 4" in link or "nvlink 5" in link:
@@ -116,6 +120,7 @@ class Replayable:
     config: AllocatorConfig
     card: Card
     world_size: int
+    communicator: bool = False  # a process group (NCCL on a card), even of one rank
 
     def device_memory(self, budget: int | None) -> DeviceMemory:
         """Reserved and device bytes of the replayed step, judged against ``budget`` (bytes
@@ -131,7 +136,9 @@ class Replayable:
         """The step replayed with cudaMalloc capped at what ``budget`` leaves beside the context
         and NCCL: freeing the cache and retrying where it runs out; None when even so it does
         not fit (an OOM on the card)."""
-        room = budget - self.card.context - nccl_bytes(self.card, self.world_size)
+        room = (
+            budget - self.card.context - nccl_bytes(self.card, self.world_size, self.communicator)
+        )
         if room <= 0:
             return None
         try:
@@ -141,7 +148,7 @@ class Replayable:
         return self._figures(allocator, budget)
 
     def _figures(self, allocator: CachingAllocator, budget: int | None) -> DeviceMemory:
-        context, nccl = self.card.context, nccl_bytes(self.card, self.world_size)
+        context, nccl = self.card.context, nccl_bytes(self.card, self.world_size, self.communicator)
         reserved = allocator.peak_reserved_bytes
         return DeviceMemory(
             allocated=allocator.peak_allocated_bytes,
