@@ -13,6 +13,7 @@ import torch
 
 from harness.cuda.cards import CATALOGUE
 from harness.cuda.kernels import installed_cudnn_version
+from harness.cuda.margin import CARD_MARGIN
 from harness.meters.op_costs import COLLECTIVE, FLOPS, OpCall, StepCosts, collective_traffic
 from harness.meters.roofline import step_time
 from harness.spec import SpecError, load_spec, parse_spec, trial_configs
@@ -209,14 +210,17 @@ def test_plan_ranks_what_fits_each_card_by_predicted_throughput(base_spec, tmp_p
     path = write_spec(tmp_path, data)
     rows = plan_json(tmp_path, path, "--card", "rtx-4090,cpu")
     assert {r["card"] for r in rows} == {"rtx-4090", "cpu"} and len(rows) == 8
-    # A budget between the smallest and the largest device figure on the card: some fit.
+    # A budget whose usable part (less the safety margin) lies between the smallest and the
+    # largest device figure on the card: some fit.
     on_card = sorted(r["predicted_device_bytes"] for r in rows if r["card"] == "rtx-4090")
-    budget = (on_card[1] + on_card[2]) // 2
-    data["device_memory"] = int(budget)
+    usable = (on_card[1] + on_card[2]) // 2
+    budget = int(max(usable + CARD_MARGIN.miss_bytes, usable * (1 + CARD_MARGIN.miss_fraction)))
+    data["device_memory"] = budget
     rows = plan_json(tmp_path, write_spec(tmp_path, data), "--card", "rtx-4090")
     assert all(r["budget_bytes"] == budget for r in rows)
     for row in rows:
-        assert row["fits"] == (row["predicted_device_bytes"] <= budget)
+        assert row["safety_margin_bytes"] == pytest.approx(budget - CARD_MARGIN.usable(budget))
+        assert row["fits"] == (row["predicted_device_bytes"] <= budget - row["safety_margin_bytes"])
         assert (row["rank"] is None) == (not row["fits"])
     ranked = sorted((r for r in rows if r["fits"]), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))

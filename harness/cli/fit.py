@@ -21,6 +21,7 @@ from harness.cli.common import (
     print_table,
     show_recomputation,
 )
+from harness.cuda.margin import CARD_MARGIN
 from harness.spec import SpecError, load_spec, with_card
 from harness.trial.prediction import Prediction
 from harness.units import format_bytes, parse_bytes
@@ -152,11 +153,11 @@ def show_fit(
         f"(median {statistics.median(counts):g} per answer; "
         + ", ".join(f"{n} by {m}" for m, n in methods.items())
         + f") in {seconds:.0f} s. Each answer b fits: predicted(b) <= budget < predicted(next "
-        "allowed b); '+' means the search stopped at --max (or the training split).",
+        "allowed b) (on a card: the budget less its safety margin); '+' means the search stopped at --max (or the training split).",
         soft_wrap=True,
         highlight=False,
     )
-    margin = answered["margin_bytes"].min() if len(answered) else None
+    margin = answered["margin_bytes"].min() if len(answered) else None  # of the whole budget
     judged = (
         "the device figure: the caching allocator's reserved segments (its rules replayed on "
         "the step's allocations) + the CUDA context + NCCL buffers"
@@ -174,6 +175,8 @@ def show_fit(
         soft_wrap=True,
         highlight=False,
     )
+    if "safety_margin_bytes" in frame:
+        console.print(margin_line(frame), soft_wrap=True, highlight=False)
     for note in sorted({n for n in frame.get("note", []) if isinstance(n, str)}):
         console.print(f"prediction: {note}", soft_wrap=True, highlight=False)
     if "recomputation" in frame:  # checkpoint:auto / sac:auto: the plan at each answer
@@ -184,3 +187,13 @@ def show_fit(
             highlight=False,
         )
         show_recomputation(console, frame, "value")
+
+
+def margin_line(frame: Any) -> str:
+    """Under a card's answers: what each budget held back, and why."""
+    held = frame.groupby("budget_bytes", sort=False)["safety_margin_bytes"].first()
+    parts = ", ".join(
+        f"{format_bytes(margin, short=True)} of {format_bytes(budget, short=True)}"
+        for budget, margin in held.items()
+    )
+    return f"Safety margin held back before fitting: {parts}. {CARD_MARGIN.text().capitalize()}."

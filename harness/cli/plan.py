@@ -16,6 +16,7 @@ from harness.cli.common import (
     prediction_target,
     show_recomputation,
 )
+from harness.cuda.margin import CARD_MARGIN
 from harness.spec import SweepPlan, load_spec, points, with_card
 from harness.trial.prediction import Prediction
 from harness.units import format_bytes
@@ -113,6 +114,7 @@ TABLE_COLUMNS = {
     "predicted_mem_optim_bytes": "optim",
     "predicted_mem_activation_bytes": "activ.",
     "predicted_mem_other_bytes": "other",
+    "predicted_mem_workspace_bytes": "work-\nspaces",
     "predicted_model_state_bytes": "model\nstate",
     "closed_form_model_state_bytes": "closed\nform",
     "korthikanti_activation_bytes": "Korthikanti",
@@ -131,6 +133,7 @@ CROSS_CHECKS = ("predicted_model_state_bytes", "closed_form_model_state_bytes")
 SPARE_COLUMNS = (
     *CROSS_CHECKS[::-1],
     "num_params",
+    "predicted_mem_workspace_bytes",
     "predicted_mem_other_bytes",
     "predicted_mem_activation_bytes",
     "predicted_mem_optim_bytes",
@@ -160,6 +163,8 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
     reasons: list[str] = []
     for _, row in frame.iterrows():
         cells = [estimate_cell(column, row[column], row) for column in columns]
+        if "fits" in columns and cuda and spec.memory_budget:
+            cells[columns.index("fits")] = fits_cell(row, spec.memory_budget)
         prediction = Prediction.from_dict(row)
         if not prediction.ok:
             reasons.append(f"[{len(reasons) + 1}] {row['strategy']}: {prediction.reason}")
@@ -196,6 +201,13 @@ def show_estimate(frame: Any, spec: Any, target: str) -> None:
         "time, MFU = model FLOPs per step time over the device's peak (docs/speed.md)",
         highlight=False,
     )
+    if "safety_margin_bytes" in frame:
+        console.print(
+            f"fits: the device figure within {budget} less a safety margin of "
+            f"{format_bytes(frame['safety_margin_bytes'].iloc[0], short=True)}: "
+            f"{CARD_MARGIN.text()}",
+            highlight=False,
+        )
     for reason in reasons:
         console.print(f"not predicted {reason}", highlight=False)
     if "estimate_seconds" in frame:
@@ -220,6 +232,21 @@ def estimate_title(frame: Any, spec: Any, target: str, fixed: list[str]) -> str:
     )
     shared = ", ".join(f"{TABLE_COLUMNS[c]} {frame[c].iloc[0]}" for c in fixed)
     return f"{title}; every row: {shared}" if shared else title
+
+
+def fits_cell(row: Any, budget: float) -> str:
+    """``yes, 1.2 GiB spare`` / ``NO, 0.8 GiB over``: how far the device figure is from the
+    budget (a card's fits also holds back the safety margin: a yes is spare beyond it)."""
+    from harness.cli.common import is_missing
+
+    fits, device = row.get("fits"), row.get("predicted_device_bytes")
+    if is_missing(fits) or is_missing(device):
+        return "-"
+    room = budget - device
+    if not fits and room >= 0:
+        return "NO, in margin"
+    words = f"{format_bytes(abs(room), short=True)} {'spare' if room >= 0 else 'over'}"
+    return f"yes, {words}" if fits else f"NO, {words}"
 
 
 def estimate_cell(column: str, value: Any, row: Any = None) -> str:
@@ -383,6 +410,19 @@ def show_plan(frame: Any, spec: Any, cards: list[str]) -> None:
         "per step time over the card's peak (docs/speed.md)",
         highlight=False,
     )
+    if "safety_margin_bytes" in frame and frame["safety_margin_bytes"].notna().any():
+        console.print(
+            "fits on a card: the device figure within the budget less a safety margin ("
+            + ", ".join(
+                f"{card} {format_bytes(margin, short=True)}"
+                for card, margin in frame.groupby("card", sort=False)["safety_margin_bytes"]
+                .first()
+                .dropna()
+                .items()
+            )
+            + f"): {CARD_MARGIN.text()}",
+            highlight=False,
+        )
     show_recomputation(console, frame, "batch_size")
 
 

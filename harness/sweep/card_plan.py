@@ -22,6 +22,7 @@ import pandas as pd
 from harness.analyse.plan_front import judged_memory
 from harness.contract import CPU_CARD
 from harness.cuda.cards import CATALOGUE
+from harness.cuda.margin import CARD_MARGIN
 from harness.spec import Spec, SpecError, SweepPlan, with_card
 from harness.sweep.estimate import COLUMNS, run_trial_tool
 from harness.sweep.fit import default_jobs
@@ -121,7 +122,13 @@ def plan_grid(
         "configs": [base.to_dict() for base, _ in groups.values()],
         "groups": [{"batches": batches} for _, batches in groups.values()],
         "cards": {s.card: s.configs[0].card for s in planned if s.card != CPU_CARD and s.configs},
-        "budgets": {s.card: s.budget for s in planned if s.card != CPU_CARD},
+        # Judged as if each card were smaller by the safety margin (the auto plans' choice,
+        # the batch sizes left unpredicted above one that does not fit) and replayed so.
+        "budgets": {
+            s.card: None if s.budget is None else int(CARD_MARGIN.usable(s.budget))
+            for s in planned
+            if s.card != CPU_CARD
+        },
         "every": every,
         # Likely slowest first: the queue ends on short ones, leaving no core idle.
         "order": sorted(range(len(groups)), key=lambda i: -likely_cost(*list(groups.values())[i])),
@@ -144,7 +151,11 @@ def plan_grid(
     budgets = {sweep.card: sweep.budget for sweep in planned}
     frame["budget_bytes"] = frame["card"].map(budgets).astype("Float64")
     judged = judged_memory(frame)
-    fits = (judged <= frame["budget_bytes"]).astype("boolean")
+    usable = frame["budget_bytes"].copy()
+    on_cards = frame["card"].ne(CPU_CARD) & usable.notna()
+    usable[on_cards] = usable[on_cards].map(CARD_MARGIN.usable)
+    frame["safety_margin_bytes"] = (frame["budget_bytes"] - usable).where(on_cards)
+    fits = (judged <= usable).astype("boolean")
     fits = fits.where(judged.notna())  # no prediction: not known
     fits = fits.where(frame["budget_bytes"].notna(), judged.notna())
     if "skipped" in frame:  # a smaller batch of the configuration already exceeded the card

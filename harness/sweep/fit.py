@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from harness.contract import DEFAULT_FIT_MAX
+from harness.cuda.margin import CARD_MARGIN
 from harness.spec import Spec, trial_config
 from harness.sweep.estimate import run_trial_tool
 from harness.trial.config import TrialConfig
@@ -109,11 +110,25 @@ def fit_grid(
         file=sys.stderr,
         flush=True,
     )
+    # On a card, each budget is searched less the safety margin (harness.cuda.margin): an answer
+    # never needs the margin to fit. Rows keep the budget asked for.
+    usable = {b: int(CARD_MARGIN.usable(b)) if target == "cuda" else b for b in budgets}
+    asked = {searched: budget for budget, searched in usable.items()}
     rows = []
     for config, found in zip(
-        configs, fit_configs(configs, target, budgets, axis, maximum, jobs), strict=True
-    ):
+        configs, fit_configs(configs, target, list(usable.values()), axis, maximum, jobs),
+        strict=True,
+    ):  # fmt: skip
         for row in found["rows"]:
+            budget = asked[int(row["budget_bytes"])]
+            if target == "cuda":
+                row = {
+                    **row,
+                    "budget_bytes": budget,
+                    "safety_margin_bytes": budget - usable[budget],
+                }
+                if row.get("margin_bytes") is not None:  # what the answer leaves of the budget
+                    row["margin_bytes"] += row["safety_margin_bytes"]
             rows.append(
                 {
                     "model_size": config.model_size,

@@ -568,7 +568,12 @@ class Predictor:
                     self.rebased(events, target.card),
                 )
             replayable = Replayable(
-                history, events, target.allocator, target.card, config.world_size
+                history,
+                events,
+                target.allocator,
+                target.card,
+                config.world_size,
+                config.strategy.needs_process_group,
             )
             # A fit search judges each of its budgets itself (``replay``): unbounded here.
             memory = replayable.device_memory(None if self.totals else budget)
@@ -584,6 +589,9 @@ class Predictor:
                 context_bytes=float(memory.context),
                 nccl_bytes=float(memory.nccl),
                 fragmentation_bytes=float(memory.fragmentation),
+                workspace_bytes=float(self.workspaces.bytes_on(target.card))
+                if self.workspaces is not None
+                else 0.0,
                 card=target.card.name,
                 note=target_note(target, self.kernels),
                 tracked_peak_bytes=trace.peak,  # what fit's moments model
