@@ -102,6 +102,24 @@ LLAMA_CPU = {
     "seq_len": 32,
 }
 
+# Real-size trials (GPU check v2), first in the plan: what users ask about and no card has run
+# yet. Random weights from the public configs (memory and speed do not depend on their values);
+# built on the host, then moved to the card: the 8B's build takes most of its trial's time.
+LLAMA_8B = {"preset": "llama-3.1-8b", "seq_len": 2048}
+LLAMA_3B = {"preset": "llama-3.2-3b", "seq_len": 4096}
+TOKENS_128K = {"vocab_size": 128256, "num_samples": 64, "test_fraction": 0.125}
+VIT = {"name": "vit_base_patch16_224"}
+IMAGENET = {"shape": [3, 224, 224], "num_classes": 1000, "num_samples": 512}
+REAL_SIZE_TIMEOUT_S = 360.0
+# Optional packages: a trial that needs one it lacks is skipped with a note.
+OPTIONAL = {
+    "transformers": "transformers",
+    "peft": "peft (lora needs it)",
+    "bitsandbytes": "bitsandbytes (adam8bit and qlora need it)",
+    "liger_kernel": "liger-kernel (fused_ce needs it)",
+    "timm": "timm",
+}
+
 PROBE = """
 import json, torch
 info = {"torch_version": torch.__version__, "cuda": torch.cuda.is_available()}
@@ -128,6 +146,7 @@ class Check:
     expect: str = "ok"
     launch: str = "worker"  # worker | torchrun | pair (a pair runs with the next check)
     skip: str = ""  # why it is not run (a missing package, the deadline)
+    timeout_s: float | None = None  # None: the check's --trial-timeout-s
     # Filled in when it has run.
     status: str = "skipped"
     reason: str = ""
@@ -185,21 +204,61 @@ def trial(
     return TrialConfig.from_dict({k: v for k, v in values.items() if k in known})
 
 
+def real_size(needs: Any) -> list[Check]:
+    """GPU check v2's first trials, in order of what they tell: a real-size Llama-3.1-8B LoRA
+    fine-tune (the question users bring), Llama-3.2-3B full bf16 fine-tuning at 2 x 4096 with
+    checkpointing (torchtune's published single-device row), then the strategies no card has
+    run: ddp:1 after its fix, compile, adam8bit, qlora, fused_ce, a timm ViT."""
+    steps, timed = 8, 4
+    rows: list[tuple[str, str, str, dict[str, Any], str, str, int, dict[str, Any]]] = [
+        ("llama-8b/bf16/lora:16+checkpoint", "hf", "llama-3.1-8b", LLAMA_8B, "tokens",
+         "lora:16+checkpoint", 1, TOKENS_128K),
+        ("llama-3b/bf16/checkpoint/b2x4096", "hf", "llama-3.2-3b", LLAMA_3B, "tokens",
+         "checkpoint", 2, TOKENS_128K),
+        ("gpt/bf16/compile", "gpt", "small", GPT_GPU, "text", "compile", 8, {}),
+        ("gpt/bf16/adam8bit", "gpt", "small", GPT_GPU, "text", "adam8bit", 8, {}),
+        ("llama/bf16/qlora:8", "hf", "tiny-llama", LLAMA_GPU, "text", "qlora:8", 8, {}),
+        ("llama/bf16/fused_ce", "hf", "tiny-llama", LLAMA_GPU, "text", "fused_ce", 8, {}),
+        ("vit-base/bf16/none", "timm", "vit-base", VIT, "synthetic", "none", 64, IMAGENET),
+    ]  # fmt: skip
+    checks = []
+    for label, family, size, knobs, dataset, strategy, batch, data in rows:
+        config = trial(family, size, knobs, dataset, "bf16", strategy, batch, steps=steps,
+                       timed_steps=timed, data_options=data)  # fmt: skip
+        big = size.startswith("llama-3")
+        checks.append(
+            Check(label, config, skip=needs(family, strategy),
+                  timeout_s=REAL_SIZE_TIMEOUT_S if big else None)
+        )  # fmt: skip
+        if label.startswith("llama-3b"):  # one-rank DDP after its fix, early: it crashed before
+            ddp = trial("gpt", "small", GPT_GPU, "text", "bf16", "ddp:1", 8, steps=14,
+                        timed_steps=10)  # fmt: skip
+            checks.append(Check("gpt/bf16/ddp:1", ddp, launch="torchrun"))
+    return checks
+
+
 def plan(mode: str, have: dict[str, bool]) -> list[Check]:
     """The trials of a mode, in the order they run (the most telling first)."""
     checks: list[Check] = []
     gpu = mode == "gpu"
     steps, timed = (14, 10) if gpu else (6, 3)
-    missing = {
-        "transformers": "" if have["transformers"] else "transformers is not installed",
-        "peft": "" if have["peft"] else "peft is not installed (lora needs it)",
-    }
 
     def needs(family: str, strategy: str) -> str:
-        why = [missing["transformers"]] if family == "hf" else []
-        if strategy.startswith("lora"):
-            why.append(missing["peft"])
-        return "; ".join(w for w in why if w)
+        """Why a trial cannot run here ("" when it can): the packages it needs and lacks."""
+        wanted = {"hf": ["transformers"], "timm": ["timm"]}.get(family, [])
+        terms = {term.split(":")[0] for term in strategy.split("+")}
+        if terms & {"lora", "qlora"}:
+            wanted.append("peft")
+        if terms & {"qlora", "adam8bit"}:
+            wanted.append("bitsandbytes")
+        if "fused_ce" in terms:
+            wanted.append("liger_kernel")
+        lacking = [OPTIONAL[name] for name in wanted if not have.get(name, False)]
+        return f"not installed: {', '.join(lacking)}" if lacking else ""
+
+    # 0. Real-size trials, the most valuable first (GPU only).
+    if gpu:
+        checks.extend(real_size(needs))
 
     # 1. Out of memory, then a clean trial in the same worker process.
     if gpu:
@@ -237,7 +296,7 @@ def plan(mode: str, have: dict[str, bool]) -> list[Check]:
 
     # 4. One-rank DDP and FSDP2 under torchrun (nccl).
     if gpu:
-        for strategy in ("ddp:1", "fsdp:1"):
+        for strategy in ("fsdp:1",):  # ddp:1 runs among the real-size trials
             config = trial("gpt", gpt_size, gpt_knobs, "text", "bf16", strategy, gpt_batch,
                            steps=steps, timed_steps=timed)  # fmt: skip
             checks.append(Check(f"gpt/bf16/{strategy}", config, launch="torchrun"))
@@ -269,6 +328,25 @@ def plan(mode: str, have: dict[str, bool]) -> list[Check]:
             if check.config is not None and check.config.dataset == "text":
                 check.config = dataclasses.replace(check.config, data_options=CPU_TEXT)
     return checks
+
+
+def gpu_plan_text(have: dict[str, bool]) -> str:
+    """What ``--mode gpu`` runs, in order, for a CPU run to show (the real-size trials by name,
+    with what would skip them on a card with this machine's packages)."""
+    checks = plan("gpu", have)
+    first = real_size(lambda family, strategy: "")
+    names = {c.label for c in first}
+    lines = [f"on a GPU this check runs {count_trials(len(checks))} in this order (the first "
+             f"{len(first)} real-size or new, then the small ones):"]  # fmt: skip
+    for check in checks:
+        if check.label in names:
+            skip = next(c.skip for c in checks if c.label == check.label)
+            lines.append(
+                f"  {check.label}" + (f"  (would be skipped here: {skip})" if skip else "")
+            )
+    small = [c.label for c in checks if c.label not in names]
+    lines.append(f"  then {len(small)}: {', '.join(small[:4])}, ... {small[-1]}")
+    return "\n".join(lines)
 
 
 # --- running -------------------------------------------------------------------------------
@@ -725,7 +803,7 @@ def main(argv: list[str]) -> int:
         # tiny model's steps up to 30x slower; this mode checks behaviour, not speed.
         CHILD_ENV["OMP_NUM_THREADS"] = "1"
     os.environ.update(child_env())  # what the sweep's launcher passes on to its trials
-    have = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "peft")}
+    have = {name: importlib.util.find_spec(name) is not None for name in OPTIONAL}
     host = {
         "mode": mode,
         "host": socket.gethostname(),
@@ -751,6 +829,8 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
 
+    if mode == "cpu-reduced":
+        print(gpu_plan_text(have), flush=True)
     checks = [c for c in plan(mode, have) if options.only in c.label]
     index = 0
     while index < len(checks):
@@ -780,7 +860,7 @@ def main(argv: list[str]) -> int:
             for stale in ("result.json", "memory_after.json"):  # an earlier run's, same OUT_DIR
                 (folder / stale).unlink(missing_ok=True)
             folders.append(folder)
-        timeout = max(30.0, min(options.trial_timeout_s, left + 60))
+        timeout = max(30.0, min(check.timeout_s or options.trial_timeout_s, left + 60))
         if len(group) == 2:
             run_pair(group[0], group[1], folders, timeout)
         else:
@@ -842,4 +922,8 @@ if __name__ == "__main__":
         if len(sys.argv) != 6:
             sys.exit("usage: gpu_check.py --pair CONFIG1 RESULT1 CONFIG2 RESULT2")
         sys.exit(pair_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--repredict":
+        import gpu_repredict  # this folder is first on sys.path when run as a script
+
+        sys.exit(gpu_repredict.main(sys.argv[2:]))
     sys.exit(main(sys.argv[1:]))

@@ -128,3 +128,66 @@ def test_recorded_snapshots_are_replayed_through_the_allocator_model(tmp_path):
     assert replayed["predicted_peak_reserved_bytes"] == truth["peak_reserved"]
     assert replayed["segment_decisions_matched"] == replayed["segment_decisions_total"]
     assert any(note.startswith("snapshot replay:") for note in check.notes)
+
+
+RECORDED_H200 = REPO / "docs" / "gpu-validation" / "h200-2026-12-04-summary.json"
+
+
+def run_python(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_check.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def test_a_recorded_card_run_is_predicted_again_with_todays_code():
+    """`--repredict`: the recorded H200 CNN trials predicted by this machine for that card, set
+    against what the card measured (ratios predicted / measured, as the JSON contract says)."""
+    recorded = json.loads(RECORDED_H200.read_text())
+    measured = {t["label"]: t["metrics"] for t in recorded["trials"]}
+    done = run_python("--repredict", str(RECORDED_H200), "--format", "json", "--only", "cnn-cifar")
+    expect_exit(done)
+    trials = json.loads(done.stdout)["trials"]
+    assert [t["label"] for t in trials] == ["cnn-cifar/fp32/none", "cnn-cifar/fp16/none"]
+    for entry in trials:
+        truth = measured[entry["label"]]
+        for key, metric, figure in (
+            ("allocated_ratio", "peak_allocated_bytes", "predicted_peak_bytes"),
+            ("reserved_ratio", "peak_reserved_bytes", "predicted_reserved_bytes"),
+            ("device_ratio", "peak_device_bytes", "predicted_device_bytes"),
+        ):
+            assert entry[metric] == truth[metric]
+            assert entry[key] == pytest.approx(entry[figure] / truth[metric])
+        assert 0.9 < entry["allocated_ratio"] < 1.1  # a CNN: no workspace the model misses
+        assert entry["workspace_bytes"] > 32 * 2**20  # two 32 MiB cuBLAS workspaces on sm90
+
+
+def test_repredict_says_in_one_line_what_it_cannot_use(tmp_path):
+    cpu_run = tmp_path / "summary.json"
+    cpu_run.write_text(json.dumps({"mode": "cpu-reduced", "trials": []}))
+    for path, says in ((tmp_path / "none.json", "no such file"), (cpu_run, "only a gpu run")):
+        done = run_python("--repredict", str(path), timeout=60)
+        expect_exit(done, 2)
+        assert done.stderr.strip().startswith("repredict: ") and says in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_gpu_plan_runs_the_real_size_trials_first_and_skips_what_it_lacks():
+    gpu_check = load_check_module()
+    have = {name: True for name in gpu_check.OPTIONAL}
+    labels = [c.label for c in gpu_check.plan("gpu", have)]
+    assert labels[:2] == ["llama-8b/bf16/lora:16+checkpoint", "llama-3b/bf16/checkpoint/b2x4096"]
+    assert len(labels) == len(set(labels))
+    # Every trial of the old run keeps its label (`--repredict` finds its config by it).
+    recorded = json.loads(RECORDED_H200.read_text())
+    assert {t["label"] for t in recorded["trials"]} <= set(labels)
+    lacking = gpu_check.plan("gpu", {**have, "bitsandbytes": False})
+    skipped = {c.label: c.skip for c in lacking if c.skip}
+    assert set(skipped) == {"gpt/bf16/adam8bit", "llama/bf16/qlora:8"}
+    assert all("bitsandbytes" in why for why in skipped.values())
+    listing = gpu_check.gpu_plan_text(have)
+    assert "llama-8b/bf16/lora:16+checkpoint" in listing and "41 trials" in listing

@@ -30,6 +30,22 @@ HF_PRESETS: dict[str, dict[str, Any]] = {
         "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
         "tie_word_embeddings": True,
     },
+    "llama-3.2-3b": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True,
+    },
     "llama-3.1-8b": {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -113,6 +129,7 @@ HF_PRESETS: dict[str, dict[str, Any]] = {
 
 PUBLISHED_PARAMS: dict[str, float] = {
     "llama-3.2-1b": 1.24e9,
+    "llama-3.2-3b": 3.21e9,
     "llama-3.1-8b": 8.03e9,
     "qwen2.5-0.5b": 0.494e9,
     "qwen2.5-7b": 7.62e9,
