@@ -13,9 +13,12 @@ SPEC   ?= experiments/default.yaml
 # lacks a private MemTracker part the fast tracker uses, tensor accounting falls back to PyTorch's
 # own MemTracker, slower, same numbers (harness/compat/memtracker.py, docs/measuring.md).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
-# Where torch comes from: empty is pip's default (PyPI's CUDA build: a 6.6 GB .venv); a CPU-only
-# machine can take `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu` (~2.5 GB).
+# Where torch comes from. Unset: on a machine without an NVIDIA driver, PyTorch's CPU index first
+# (the same pins, CPU build: ~1 GB of torch instead of ~5 GB), PyPI where that index cannot be
+# reached (a mirror-only network, as on this project's machines) or where a driver is present.
+# Set: that index only (`TORCH_INDEX=https://pypi.org/simple` takes PyPI's CUDA build anyway).
 TORCH_INDEX ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 FORMAT ?= table
 # `make test` runs the suite in this many pytest processes (pytest-xdist), a test file each at
@@ -30,14 +33,18 @@ install: $(STAMP)
 install-dev: $(DEV_STAMP)
 
 $(STAMP): pyproject.toml
-	@if [ -z "$(TORCH_INDEX)" ] && ! command -v nvidia-smi >/dev/null; then \
-		echo "note: no NVIDIA driver here; PyPI's torch is its CUDA build (~5.3 GB of the venv):" \
-			"where PyTorch's own index is reachable," \
-			"make install TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build" \
-			"of the same release (~2.5 GB in all)"; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PINS)
+	@if [ -n "$(TORCH_INDEX)" ]; then \
+		$(BIN)/python -m pip install --quiet --index-url $(TORCH_INDEX) $(TORCH_PINS); \
+	elif ! command -v nvidia-smi >/dev/null && $(BIN)/python -m pip install --quiet --retries 0 \
+			--timeout 20 --index-url $(TORCH_CPU_INDEX) $(TORCH_PINS) 2>/dev/null; then \
+		echo "install: no NVIDIA driver here: $(TORCH_PINS) from PyTorch's CPU index"; \
+	else \
+		command -v nvidia-smi >/dev/null || echo "install: no NVIDIA driver here, but PyTorch's CPU" \
+			"index cannot be reached: PyPI's torch, its CUDA build (~5 GB more in .venv)"; \
+		$(BIN)/python -m pip install --quiet $(TORCH_PINS); \
+	fi
 	$(BIN)/python -m pip install --quiet -e '.[models]'
 	touch $(STAMP)
 
