@@ -42,14 +42,18 @@ def test_the_flags_shape_the_spec():
     assert vision["data"] == {"dataset": "synthetic", "shape": [3, 224, 224], "num_classes": 1000}
     with pytest.raises(SpecError, match="takes images, not sequences"):
         oneshot_spec("vit-base", seq_len=128)
+    # The default sequence is 2048 tokens, or fewer where the model embeds fewer positions.
+    assert oneshot_spec("gpt2")["model"]["sizes"]["gpt2"]["seq_len"] == 1024
 
 
 def test_a_config_folder_or_a_hub_id(tmp_path):
     folder = tmp_path / "My Model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 4096}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "llama", "vocab_size": 4096, "max_position_embeddings": 512})
+    )
     spec = oneshot_spec(str(folder))
-    assert spec["model"]["sizes"] == {"my-model": {"config": str(folder), "seq_len": 2048}}
+    assert spec["model"]["sizes"] == {"my-model": {"config": str(folder), "seq_len": 512}}
     assert spec["data"]["vocab_size"] == 4096
     hub = oneshot_spec("Qwen/Qwen2.5-7B")
     assert hub["model"]["sizes"] == {"qwen2.5-7b": {"model_id": "Qwen/Qwen2.5-7B", "seq_len": 2048}}

@@ -646,7 +646,10 @@ def model_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "folder with a config.json, or a hub id ORG/NAME (transformers' local cache); the "
             "spec written for it is kept in results/specs/.",
         ),
-        positive_int_option("--seq-len", help="With --model: tokens per sample (2048)."),
+        positive_int_option(
+            "--seq-len",
+            help="With --model: tokens per sample (2048, or the model's positions if fewer).",
+        ),
         click.option(
             "--strategies",
             default=None,

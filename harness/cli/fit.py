@@ -68,7 +68,7 @@ def cell(row: Any, axis: str) -> str:
     "budget_text",
     default=None,
     help="Memory budgets to fit, e.g. 24GiB,80GiB,141GiB (default: the spec's device_memory, "
-    "else the card's memory). On CUDA each budget holds the device figure: reserved + context.",
+    "else the card's memory). On CUDA each budget holds the device figure: reserved + context, less the safety margin (docs/cards.md).",
 )
 @choice_option(
     "--axis",

@@ -69,6 +69,24 @@ def read_vocab(config: Path) -> int:
     return int(vocab) if isinstance(vocab, int) and vocab > 1 else DEFAULT_VOCAB
 
 
+def positions(knobs: dict[str, Any], preset: dict[str, Any]) -> int:
+    """How many positions the model embeds (a preset's or a config folder's), so the default
+    sequence fits a model of fewer than 2048 (gpt2: 1024); DEFAULT_SEQ_LEN where unknown."""
+    config = preset
+    if "config" in knobs:
+        import json
+
+        try:
+            config = json.loads((Path(knobs["config"]) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+    for key in ("max_position_embeddings", "n_positions"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_SEQ_LEN
+
+
 def size_name(text: str) -> str:
     """A size or experiment name the spec allows (letters, digits, ``_-.``, starting with a
     letter or digit)."""
@@ -111,7 +129,7 @@ def oneshot_spec(
             "num_classes": int(preset.get("num_labels", 1000)),
         }
     else:
-        knobs["seq_len"] = seq_len or DEFAULT_SEQ_LEN
+        knobs["seq_len"] = seq_len or min(DEFAULT_SEQ_LEN, positions(knobs, preset))
         data = {"dataset": "tokens", "vocab_size": vocab}
     spec: dict[str, Any] = {
         "name": f"plan-{size}",
