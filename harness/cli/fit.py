@@ -196,4 +196,5 @@ def margin_line(frame: Any) -> str:
         f"{format_bytes(margin, short=True)} of {format_bytes(budget, short=True)}"
         for budget, margin in held.items()
     )
-    return f"Safety margin held back before fitting: {parts}. {CARD_MARGIN.text().capitalize()}."
+    why = CARD_MARGIN.text()
+    return f"Safety margin held back before fitting: {parts}. {why[:1].upper()}{why[1:]}."
