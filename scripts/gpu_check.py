@@ -543,6 +543,36 @@ def compare_after_oom(checks: list[Check]) -> None:
         )
 
 
+class PredictionFailed(Exception):
+    """The estimator process timed out or failed (the message says which, and where its log is)."""
+
+
+def predict_without_cuda(
+    configs: list[TrialConfig], folder: Path, name: str, timeout_s: float | None = None
+) -> list[dict[str, Any]]:
+    """``configs`` predicted as a machine without a GPU predicts them for their card (the trial
+    layer's estimator, CUDA hidden), one row each: ``folder/NAME_in.json``, ``_out.json`` and
+    ``.log`` are kept beside the run."""
+    request, answer = folder / f"{name}_in.json", folder / f"{name}_out.json"
+    request.write_text(json.dumps({"device": "cuda", "configs": [c.to_dict() for c in configs]}))
+    log = folder / f"{name}.log"
+    with log.open("w") as handle:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env={**child_env(), "CUDA_VISIBLE_DEVICES": ""},
+                timeout=timeout_s,
+                cwd=REPO,
+            )
+        except subprocess.TimeoutExpired:
+            raise PredictionFailed(f"timed out (log: {log})") from None
+    if done.returncode != 0 or not answer.exists():
+        raise PredictionFailed(f"failed: {last_error(log)}")
+    return json.loads(answer.read_text())
+
+
 def cpu_hosted(checks: list[Check], host: dict[str, Any], out: Path, seconds: float) -> None:
     """Predict the trials that ran as a machine without a GPU predicts them for this card (the
     trial layer's estimator with CUDA hidden: CPU kernels under CUDA's autocast lists, SDPA and
@@ -557,29 +587,13 @@ def cpu_hosted(checks: list[Check], host: dict[str, Any], out: Path, seconds: fl
         print(f"note: cpu-hosted predictions skipped ({host.get('device_name')}: {why})")
         return
     configs = [dataclasses.replace(c.config, card=card.to_dict()) for c in ran]
-    request = out / "cpu_hosted_in.json"
-    answer = out / "cpu_hosted_out.json"
-    request.write_text(json.dumps({"device": "cuda", "configs": [c.to_dict() for c in configs]}))
-    env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
-    log = out / "cpu_hosted.log"
     print(f"  cpu-hosted predictions of {len(ran)} trials for {card.name} ...", flush=True)
-    with log.open("w") as handle:
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=max(30.0, seconds),
-                cwd=REPO,
-            )
-        except subprocess.TimeoutExpired:
-            print(f"note: cpu-hosted predictions timed out (log: {log})")
-            return
-    if done.returncode != 0 or not answer.exists():
-        print(f"note: cpu-hosted predictions failed: {last_error(log)}")
+    try:
+        rows = predict_without_cuda(configs, out, "cpu_hosted", max(30.0, seconds))
+    except PredictionFailed as error:
+        print(f"note: cpu-hosted predictions {error}")
         return
-    for check, row in zip(ran, json.loads(answer.read_text()), strict=True):
+    for check, row in zip(ran, rows, strict=True):
         for _, _, name in FIGURES:
             if row and name in row:
                 check.metrics["cpu_" + name] = row[name]

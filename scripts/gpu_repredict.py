@@ -17,16 +17,16 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import gpu_check
-from gpu_check import REPO, child_env, last_error, size_text
+from gpu_check import PredictionFailed, predict_without_cuda, size_text
 
 from harness.cuda.cards import card_for_device_name
+from harness.trial.config import TrialConfig
 
 # (ratio key in the JSON, measured metric, predicted figure)
 FIGURES = (
@@ -67,25 +67,6 @@ def trained(data: dict[str, Any], only: str) -> list[dict[str, Any]]:
     ]
 
 
-def predict(configs: list[dict[str, Any]], workdir: Path) -> list[dict[str, Any] | None]:
-    """One estimator process for them all (its progress lines pass through to stderr)."""
-    request, answer = workdir / "repredict_in.json", workdir / "repredict_out.json"
-    request.write_text(json.dumps({"device": "cuda", "configs": configs}))
-    log = workdir / "repredict.log"
-    env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
-    with log.open("w") as handle:
-        done = subprocess.run(
-            [sys.executable, "-m", "harness.trial.estimate", str(request), str(answer)],
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-        )
-    if done.returncode != 0 or not answer.exists():
-        raise Unusable(f"the estimator failed: {last_error(log)}")
-    return json.loads(answer.read_text())
-
-
 def repredict(data: dict[str, Any], only: str = "") -> list[dict[str, Any]]:
     """One entry per trained trial: predicted / measured for allocated, reserved, device."""
     card = card_for_device_name(str(data.get("device_name")))
@@ -93,7 +74,7 @@ def repredict(data: dict[str, Any], only: str = "") -> list[dict[str, Any]]:
         raise Unusable(f"device {data.get('device_name')!r} is not in the card catalogue")
     planned = {c.label: c for c in gpu_check.plan("gpu", {"transformers": True, "peft": True})}
     entries: list[dict[str, Any]] = []
-    configs: list[dict[str, Any]] = []
+    configs: list[TrialConfig] = []
     for recorded in trained(data, only):
         label = recorded["label"]
         check = planned.get(label)
@@ -107,8 +88,8 @@ def repredict(data: dict[str, Any], only: str = "") -> list[dict[str, Any]]:
             entry["notes"].append(
                 "its config changed since the run (trial_key): predicted as today's"
             )
-        entry["config"] = config.to_dict()
-        configs.append(entry["config"])
+        entry["config"] = config
+        configs.append(config)
     print(
         f"repredict: {len(configs)} trials for {card.name} (the card ran torch "
         f"{data.get('torch_version')}) ...",
@@ -116,7 +97,10 @@ def repredict(data: dict[str, Any], only: str = "") -> list[dict[str, Any]]:
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="harness-repredict-") as folder:
-        rows = iter(predict(configs, Path(folder)) if configs else [])
+        try:
+            rows = iter(predict_without_cuda(configs, Path(folder), "repredict") if configs else [])
+        except PredictionFailed as error:
+            raise Unusable(f"the estimator {error}") from None
     measured = {t["label"]: t["metrics"] for t in data["trials"]}
     for entry in entries:
         if entry.pop("config", None) is None:

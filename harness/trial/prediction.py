@@ -89,7 +89,7 @@ class CardFigures:
             context_bytes=data["predicted_context_bytes"],
             nccl_bytes=data["predicted_nccl_bytes"],
             fragmentation_bytes=data["predicted_fragmentation_bytes"],
-            workspace_bytes=0.0 if _absent(workspace) else workspace,
+            workspace_bytes=0.0 if workspace is None or _absent(workspace) else float(workspace),
             card=data["card"],
             note=data["note"],
             tracked_peak_bytes=None if _absent(tracked) else tracked,
