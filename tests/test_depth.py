@@ -159,6 +159,16 @@ def test_blocks_that_differ_are_traced_whole_and_the_note_says_so():
     assert prediction.ok and "traced whole" in prediction.note and "layer_types" in prediction.note
 
 
+def test_a_pipeline_is_traced_whole_and_the_note_says_so():
+    """``pp:2``'s stages hold different blocks (the first the embeddings, the last the head):
+    not carried from shallow traces; the estimate traces every stage whole and says so."""
+    config = config_of("gpt", {**GPT, "n_layer": 12}, "pp:2")
+    carried, why = by_depth(config)
+    assert carried is None and why == "traced whole: pipeline stages"
+    prediction = estimate_peak(config, CPU, as_cuda=True)
+    assert prediction.ok and "traced whole: pipeline stages" in prediction.note
+
+
 @pytest.mark.slow
 def test_plan_carries_every_card_and_batch():
     """``harness plan``'s tool takes the same path: two shallow models per batch size, the
