@@ -23,8 +23,6 @@ from typing import Any
 
 from harness.units import format_bytes
 
-MIB = 2**20
-
 
 @dataclass(frozen=True)
 class Margin:
