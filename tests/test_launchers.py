@@ -344,6 +344,10 @@ def test_slurm_job_array_records_every_point_once_through_a_killed_and_a_preempt
     data = launcher_spec(
         name, {"name": "slurm", "slurm": slurm}, storage=fresh_database, mlflow_uri=tracking_server
     )
+    # Eight points, not six: after the first job is killed, the other two must still have a
+    # trial running for the preemption to cut off (with six, a loaded machine's sweep could
+    # end before it: CI, "no trial was cut off by SIGUSR2 (driver exit 0)").
+    data["grid"] = {**POINTS, "batch_size": [*POINTS["batch_size"], 64]}
     started = time.monotonic()
     driver = sweep_driver(tmp_path, data, "--wait")
     try:
@@ -361,11 +365,11 @@ def test_slurm_job_array_records_every_point_once_through_a_killed_and_a_preempt
         if driver.poll() is None:
             driver.kill()
     took = time.monotonic() - started
-    print(f"slurm launch, 6 points over 3 jobs, one killed, one preempted: {took:.1f} s")
+    print(f"slurm launch, 8 points over 3 jobs, one killed, one preempted: {took:.1f} s")
     assert driver.returncode == 0, output_tail(output)
     assert "Submitted 3 local submitit job(s)" in output
     assert output.count("warning: job ") == 1 and "ended without a result" in output  # killed
-    exactly_once(load(name, tracking_server), 6)
+    exactly_once(load(name, tracking_server), 8)
     assert_recovered(fresh_database, killed + preempted)
     assert_gone(orphans + more)  # the stopped workers' trials and warm starters went with them
     folder = tmp_path / "results" / name / "slurm"  # submitit's files and the jobs' logs
