@@ -82,11 +82,19 @@ def _heads_broadcast(formula: Any, query_at: int) -> Any:
     return flop_formula_of_tensors(count)
 
 
+def _scaled_mm(mat1: Any, mat2: Any, *args: Any, **kwargs: Any) -> int:
+    """fp8 matmul (torchao's float8): ``mat1 @ mat2``'s multiply-adds, its scales aside."""
+    m, k = _shape(mat1)
+    n = _shape(mat2)[-1]
+    return 2 * m * k * n
+
+
 # torch's formulas take the op's tensors (they are wrapped to read shapes); these are missing.
 _FORMULAS: dict[Any, Any] = {
     **flop_registry,
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+    aten._scaled_mm: _scaled_mm,
 }
 # The fused attention ops (query, key, value as batch, heads, sequence, head dim; a backward's
 # after its output gradient) take grouped-query shapes.
@@ -208,8 +216,29 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return found
 
 
+FLOAT8 = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+def _stored(tensor: torch.Tensor) -> torch.Tensor:
+    """What a kernel reads of ``tensor``: the fp8 payload of a wrapper that holds one (torchao's
+    ``Float8TrainingTensor`` says its high-precision dtype, but its ``mm`` runs
+    ``torch._scaled_mm`` on the fp8 data, below this mode), else the tensor itself."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor
+    for name in flatten()[0]:
+        inner = getattr(tensor, name, None)
+        if isinstance(inner, torch.Tensor) and inner.dtype in FLOAT8:
+            return inner
+    return tensor
+
+
 def _nbytes(tensors: list[torch.Tensor]) -> float:
-    return float(sum(t.numel() * t.element_size() for t in tensors))
+    return float(sum(t.numel() * t.element_size() for t in map(_stored, tensors)))
 
 
 _RULES: dict[Any, str] = {}  # an op's rule, found once
@@ -261,7 +290,7 @@ def collective_traffic(name: str, read: float, written: float, ranks: int) -> fl
 
 
 def _compute_dtype(tensors: list[torch.Tensor]) -> str:
-    for tensor in tensors:
+    for tensor in map(_stored, tensors):
         if tensor.is_floating_point():
             return str(tensor.dtype).removeprefix("torch.")
     return str(tensors[0].dtype).removeprefix("torch.") if tensors else "none"

@@ -38,7 +38,10 @@ ATTENTIONS = {
     for direction in ("", "_backward", "_forward")
 }  # fmt: skip
 # The op dtypes' names (torch's) as the peak tables name them.
-_PEAK_KEY = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+_PEAK_KEY = {
+    "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64",
+    "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

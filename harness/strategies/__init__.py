@@ -34,10 +34,16 @@ class StrategyInfo:
     arg_max: float | None = None  # exclusive upper bound (fractions)
     # Words allowed after the number (``tp:2:sp``, ``pp:2:1f1b``); the first is the default.
     options: tuple[str, ...] = ()
+    # The argument is one of these words instead of a number (``float8:rowwise``).
+    words: tuple[str, ...] = ()
     # The argument may be ``auto``: how much to do is chosen before training, from the
     # estimator's predictions, for the trial's memory budget (``harness.trial.recompute``).
     auto: bool = False
     devices: tuple[str, ...] = ALL_DEVICES
+    # The oldest CUDA compute capability whose kernels it needs, and which cards those are
+    # (``float8``: (8, 9), "fp8 tensor cores: Ada, Hopper, Blackwell"); an older card is refused.
+    min_capability: tuple[int, int] | None = None
+    capability_why: str = ""
     group: str | None = None  # at most one strategy of a group per combination
     families: tuple[str, ...] | None = None  # None: every family
     bad_dtypes: tuple[str, ...] = ()  # dtype-axis values it cannot combine with
@@ -307,6 +313,24 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "memory_management",
             "ChannelsLast",
             families=("cnn", "resnet", "timm"),
+        ),
+        _info(
+            "float8",
+            "torchao's float8 training: every Linear layer's matmuls in fp8 (torch._scaled_mm) "
+            "with dynamic scales, `tensorwise` (default; under fsdp the weights are all-gathered "
+            "in fp8) or `rowwise`; weights, gradients and optimizer state keep their precision. "
+            "Faster matmuls (fp8 peak: 2x bf16) for about the same memory. CUDA cards of "
+            "compute capability 8.9+ only (Ada, Hopper, Blackwell); predicted from a CPU",
+            "float8",
+            "Float8",
+            arg="recipe",
+            arg_type=str,
+            arg_optional=True,
+            words=("tensorwise", "rowwise"),
+            devices=("cuda",),
+            min_capability=(8, 9),
+            capability_why="fp8 tensor cores: Ada, Hopper, Blackwell",
+            conflicts=("lora", "qlora", "quantize_int8", "prune", "prune_structured", "tp"),
         ),
         _info(
             "compile",

@@ -61,6 +61,8 @@ class TrialContext:
     submeshes: dict[str, Any] = field(default_factory=dict)  # flattened ones, made once
     rank: int = 0  # this process's rank in the trial (the estimator's: the role it predicts)
     pipeline_micro_batches: int = 1  # pp:N's micro-batches per step (accumulate:K, else 2N)
+    # The names of every strategy of the trial (``float8`` gathers fp8 weights under fsdp only).
+    combination: tuple[str, ...] = ()
 
     @property
     def estimating(self) -> bool:

@@ -47,6 +47,13 @@ class Term:
             raise ValueError(f"strategy {name!r} needs an argument: {name}:<{info.arg}>")
         if info.auto and arg.strip() == "auto":
             return cls(name, arg)
+        if info.words:
+            if arg and arg.strip() not in info.words:
+                allowed = ", ".join(f"{name}:{word}" for word in info.words)
+                raise ValueError(
+                    f"strategy {name!r}: unknown {info.arg} {arg!r} (allowed: {allowed})"
+                )
+            return cls(name, arg.strip() if sep else None)
         arg, _, option = arg.partition(":") if info.options else (arg, "", "")
         if option and option.strip() not in info.options:
             allowed = ", ".join(f"{name}:N:{o}" for o in info.options if o)
@@ -287,6 +294,26 @@ class Combination:
                     f"strategy {term.name!r} needs device {' or '.join(info.devices)}; this trial would run on {device!r}"
                 )
 
+    def card_refusal(self, card: str, capability: tuple[int, int] | list[int]) -> str | None:
+        """Why this combination cannot run on a card of ``capability`` (one line), else None."""
+        for info in self.infos:
+            if info.min_capability is not None:
+                refusal = capability_refusal(info, card, capability)
+                if refusal:
+                    return refusal
+        return None
+
     def build(self) -> tuple[Strategy, ...]:
         """The trial's strategy objects, in order (imports their modules, hence torch)."""
         return tuple(term.build() for term in self.terms)
+
+
+def capability_refusal(
+    info: StrategyInfo, card: str, capability: tuple[int, int] | list[int]
+) -> str | None:
+    """The one-line refusal of ``info``'s strategy on a card older than it needs, else None."""
+    if info.min_capability is None or tuple(capability) >= info.min_capability:
+        return None
+    need = ".".join(map(str, info.min_capability))
+    have = ".".join(map(str, capability))
+    return f"{info.name} needs compute capability {need}+ ({info.capability_why}); {card} is {have}"

@@ -287,6 +287,12 @@ class Predictor:
         if self.device.type == "cuda" and "ddp" in {info.name for info in config.strategy.infos}:
             self.failure = Prediction.unpredictable(DDP_ON_CUDA)
             return
+        if self.target is not None:  # a card too old for a strategy's kernels (float8)
+            card = self.target.card
+            refusal = config.strategy.card_refusal(card.name, card.compute_capability)
+            if refusal:
+                self.failure = Prediction.refused(refusal)
+                return
         ranks = Ranks(
             rank=self.rank,
             size=config.world_size,
@@ -623,6 +629,8 @@ class Predictor:
         is resized in the replay."""
         if self.target is None or card.vendor != self.target.card.vendor:
             return False
+        if self.config.strategy.card_refusal(card.name, card.compute_capability):
+            return False  # refused there: a predictor of its own says so
         if self.kernels is None:
             return card.compute_capability == self.target.card.compute_capability
         return bool(self.kernels.chooses_alike(card.compute_capability))
@@ -639,6 +647,8 @@ class Predictor:
             return False
         if self.workspaces is None or self.failure is not None:
             return False
+        if self.config.strategy.card_refusal(card.name, card.compute_capability):
+            return False  # refused there: a predictor of its own says so
         self.target = replace(self.target, card=card, card_named=True)
         self.config = replace(
             self.config, card=card.to_dict(), device_memory_bytes=budget or card.memory_bytes

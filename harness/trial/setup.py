@@ -115,8 +115,9 @@ class Setup:
 def applying_order(strategies: tuple[Strategy, ...]) -> list[Strategy]:
     """The order strategies change the model in: the spec's, except that the layouts that split
     the model itself come first, as they must (a pipeline stage is cut from the whole model,
-    then its blocks split over tensor ranks, then sharded by FSDP): ``pp``, ``tp``, ``cp``."""
-    first = ("pp", "tp", "cp")
+    then its blocks split over tensor ranks, then sharded by FSDP): ``pp``, ``tp``, ``cp``; then
+    ``float8``, whose fp8 layers FSDP and recomputation must see (torchtitan's order)."""
+    first = ("pp", "tp", "cp", "float8")
     return sorted(
         strategies,
         key=lambda s: first.index(s.name) if s.name in first else len(first),
@@ -168,6 +169,7 @@ def build_setup(
         layout=config.strategy.layout,
         rank=ranks.rank,
         pipeline_micro_batches=config.strategy.pipeline_micro_batches,
+        combination=tuple(config.strategy.names),
     )
     for strategy in strategies:
         context.shard_options.update(strategy.shard_options(context))
