@@ -344,10 +344,11 @@ def test_slurm_job_array_records_every_point_once_through_a_killed_and_a_preempt
     data = launcher_spec(
         name, {"name": "slurm", "slurm": slurm}, storage=fresh_database, mlflow_uri=tracking_server
     )
-    # Eight points of 20 steps, and the preemption first: a preempted job is requeued and
-    # rejoins, so three jobs still run trials when the kill comes. (Killing first left two jobs
-    # that, on a loaded machine, twice finished every point before a trial could be preempted:
-    # CI, "no trial was cut off by SIGUSR2 (driver exit 0)".)
+    # Eight points, not six: after the first job is killed, the other two must still have a
+    # trial running for the preemption to cut off (with six, a loaded machine's sweep could
+    # end before it: CI, "no trial was cut off by SIGUSR2 (driver exit 0)").
+    # Twenty steps a trial: the two jobs left after the kill must not finish every point before
+    # the preemption finds a trial running (at 6 steps they did, twice, on a loaded machine).
     data["grid"] = {**POINTS, "batch_size": [*POINTS["batch_size"], 64]}
     data["train"]["budget"] = {"steps": 20}
     started = time.monotonic()
@@ -357,11 +358,11 @@ def test_slurm_job_array_records_every_point_once_through_a_killed_and_a_preempt
         def is_job(process: psutil.Process) -> bool:
             return "submitit.core._submit" in " ".join(process.cmdline())
 
-        # What Slurm sends a job it preempts: submitit requeues it, and it rejoins.
-        preempted, more, owner = stop_a_worker_mid_trial(
-            fresh_database, is_job, driver, signal.SIGUSR2
+        killed, orphans, owner = stop_a_worker_mid_trial(fresh_database, is_job, driver)
+        # Then what Slurm sends a job it preempts: submitit requeues it, and it rejoins.
+        preempted, more, _ = stop_a_worker_mid_trial(
+            fresh_database, is_job, driver, signal.SIGUSR2, spare=(owner,)
         )
-        killed, orphans, _ = stop_a_worker_mid_trial(fresh_database, is_job, driver, spare=(owner,))
         output, _ = driver.communicate(timeout=300)
     finally:
         if driver.poll() is None:

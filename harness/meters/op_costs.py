@@ -226,7 +226,7 @@ FLOAT8 = frozenset(
 def _stored(tensor: torch.Tensor) -> torch.Tensor:
     """What a kernel reads of ``tensor``: the fp8 payload of a wrapper that holds one (torchao's
     ``Float8TrainingTensor`` says its high-precision dtype, but its ``mm`` runs
-    ``torch._scaled_mm`` on the fp8 data, below this mode), else the tensor itself."""
+    aten ``_scaled_mm`` on the fp8 data, below this mode), else the tensor itself."""
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is None:
         return tensor

@@ -316,7 +316,7 @@ STRATEGIES: dict[str, StrategyInfo] = {
         ),
         _info(
             "float8",
-            "torchao's float8 training: every Linear layer's matmuls in fp8 (torch._scaled_mm) "
+            "torchao's float8 training: every Linear layer's matmuls in fp8 (aten _scaled_mm) "
             "with dynamic scales, `tensorwise` (default; under fsdp the weights are all-gathered "
             "in fp8) or `rowwise`; weights, gradients and optimizer state keep their precision. "
             "Faster matmuls (fp8 peak: 2x bf16) for about the same memory. CUDA cards of "

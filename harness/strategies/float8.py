@@ -4,7 +4,7 @@
 the weight stays in its own precision (the optimizer and the master copy are unchanged), and
 every forward casts input and weight to ``float8_e4m3fn`` with a scale computed from their
 absolute maximum (``tensorwise``: one scale per tensor; ``rowwise``: one per row), then runs
-``torch._scaled_mm`` (fp8 tensor cores: twice bf16's peak on Hopper and Ada). The backward casts
+aten ``_scaled_mm`` (fp8 tensor cores: twice bf16's peak on Hopper and Ada). The backward casts
 the output gradient the same way (``e5m2`` in the rowwise recipe's grad path).
 
 Which layers: those torchao's kernels take (both dimensions multiples of 16) and not a language
