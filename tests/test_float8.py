@@ -15,6 +15,12 @@ from harness.trial.estimate import Predictor
 from tests.conftest import BASE_SPEC
 
 CPU = torch.device("cpu")
+# Checked on the pinned torch (2.14) and newer; torch_range's oldest (2.8) with its torchao has
+# not run float8 yet (noted in the session's closing note): not claimed there.
+pytestmark = pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 14),
+    reason="float8 prediction verified from torch 2.14 on only",
+)
 # Every Linear 256 wide (multiples of 16: torchao's kernels take them); the head is left alone.
 GPT = {"n_layer": 2, "d_model": 256, "n_head": 4, "seq_len": 128}
 
