@@ -15,12 +15,6 @@ from harness.trial.estimate import Predictor
 from tests.conftest import BASE_SPEC
 
 CPU = torch.device("cpu")
-# Checked on the pinned torch (2.14) and newer; torch_range's oldest (2.8) with its torchao has
-# not run float8 yet (noted in the session's closing note): not claimed there.
-pytestmark = pytest.mark.skipif(
-    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 14),
-    reason="float8 prediction verified from torch 2.14 on only",
-)
 # Every Linear 256 wide (multiples of 16: torchao's kernels take them); the head is left alone.
 GPT = {"n_layer": 2, "d_model": 256, "n_head": 4, "seq_len": 128}
 
@@ -87,3 +81,17 @@ def test_float8_refusals_are_one_line_at_validation(strategy, changes, words):
     with pytest.raises(SpecError) as caught:
         trial_configs(parse_spec(spec(strategy, **changes)))
     assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_float8_under_fsdp_gathers_its_weights_in_fp8_in_the_tensorwise_recipe():
+    """torchao's fp8 all-gather (``enable_fsdp_float8_all_gather``): the blocks' weights cross
+    as fp8 bytes (uint8 all-gathers); the rowwise recipe gathers them in their own precision."""
+    _, tensorwise, notes = predicted(["fsdp:2", "float8"])
+    _, rowwise, _ = predicted(["fsdp:2", "float8:rowwise"])
+
+    def gathered_dtypes(calls) -> set[str]:
+        return {c.dtype for c in calls if c.name == "_allgather_base_"}
+
+    assert notes["float8_layers"].startswith("8 of 9 Linear layers in fp8 (tensorwise)")
+    assert "uint8" in gathered_dtypes(tensorwise)
+    assert "uint8" not in gathered_dtypes(rowwise)

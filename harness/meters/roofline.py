@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.meters.op_costs import COLLECTIVE, FLOPS, OpCall, StepCosts
+from harness.meters.op_costs import COLLECTIVE, FLOAT8, FLOPS, OpCall, StepCosts
 
 CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution", "cudnn_convolution",
                 "_slow_conv2d_forward", "convolution_overrideable"}  # fmt: skip
@@ -40,7 +40,7 @@ ATTENTIONS = {
 # The op dtypes' names (torch's) as the peak tables name them.
 _PEAK_KEY = {
     "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64",
-    "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8",
+    **{str(dtype).removeprefix("torch."): "fp8" for dtype in FLOAT8},
 }  # fmt: skip
 
 

@@ -296,12 +296,8 @@ class Combination:
 
     def card_refusal(self, card: str, capability: tuple[int, int] | list[int]) -> str | None:
         """Why this combination cannot run on a card of ``capability`` (one line), else None."""
-        for info in self.infos:
-            if info.min_capability is not None:
-                refusal = capability_refusal(info, card, capability)
-                if refusal:
-                    return refusal
-        return None
+        refusals = (capability_refusal(info, card, capability) for info in self.infos)
+        return next((refusal for refusal in refusals if refusal), None)
 
     def build(self) -> tuple[Strategy, ...]:
         """The trial's strategy objects, in order (imports their modules, hence torch)."""

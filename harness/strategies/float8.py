@@ -29,7 +29,7 @@ estimate's row for such a card says so; a trial on one ends before it trains).
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 import torch
 from torch import nn
@@ -75,10 +75,9 @@ class Float8(Strategy):
             if refusal:
                 raise StrategyError(refusal)
         config = Float8LinearConfig.from_recipe_name(self.recipe)
-        if self.recipe == "tensorwise" and ctx.layout.size("dp") > 1 and _shards(ctx):
-            config = Float8LinearConfig(
-                **{**_fields(config), "enable_fsdp_float8_all_gather": True}
-            )
+        sharded = "fsdp" in ctx.combination and ctx.layout.size("dp") > 1  # not ddp's replicas
+        if self.recipe == "tensorwise" and sharded:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         before = sum(isinstance(m, nn.Linear) for m in model.modules())
         convert_to_float8_training(model, config=config, module_filter_fn=converts)
         from torchao.float8.float8_linear import Float8Linear
@@ -90,14 +89,3 @@ class Float8(Strategy):
             )
         ctx.notes["float8_layers"] = f"{swapped} of {before} Linear layers in fp8 ({self.recipe})"
         return model
-
-
-def _shards(ctx: TrialContext) -> bool:
-    """Whether FSDP shards this trial's parameters (``fsdp:N``, not ``ddp:N``)."""
-    return "fsdp" in ctx.combination
-
-
-def _fields(config: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
